@@ -1,0 +1,285 @@
+// C++ XLA FFI handlers of both folds for platform "cpu" (SPEC section 5).
+// Same skip rules (fold_common.h) and roundings as the CUDA kernels: xa and
+// delta accumulate in fp32 and round to the activation dtype, then
+// out = round(float(out) + scale * float(delta)). No allocation: xa lives in
+// the op's scratch output.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "fold_common.h"
+#include "moelora_handlers.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace moelora {
+namespace {
+
+// ---- dtype conversions (round to nearest even, NaN kept quiet) ----------
+
+inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
+struct Bf16 {
+  using T = uint16_t;
+  static float to_f(T h) { return bits_to_float(uint32_t(h) << 16); }
+  static T from_f(float f) {
+    uint32_t u = float_to_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return T((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return T(u >> 16);
+  }
+};
+
+struct F16 {
+  using T = uint16_t;
+  static float to_f(T h) {
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+    const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0) {  // zero or subnormal: m * 2^-24, exact in fp32
+      const float v = float(m) * (1.0f / 16777216.0f);
+      return sign ? -v : v;
+    }
+    if (e == 31) return bits_to_float(sign | 0x7f800000u | (m << 13));
+    return bits_to_float(sign | ((e + 112u) << 23) | (m << 13));
+  }
+  static T from_f(float f) {
+    const uint32_t x = float_to_bits(f);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return T(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+    if (ax >= 0x477ff000u) return T(sign | 0x7c00u);  // >= 65520 rounds to inf
+    if (ax < 0x38800000u) {  // below 2^-14: subnormal half, m = rint(v * 2^24)
+      const float v = bits_to_float(ax) * 16777216.0f;  // exact scaling
+      return T(sign | uint32_t(std::nearbyint(v)));
+    }
+    uint32_t h = (((ax >> 23) - 112u) << 10) | ((ax >> 13) & 0x3ffu);
+    const uint32_t rem = ax & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+    return T(sign | h);
+  }
+};
+
+struct F32 {
+  using T = float;
+  static float to_f(T v) { return v; }
+  static T from_f(float f) { return f; }
+};
+
+// ---- one folded row ------------------------------------------------------
+
+template <class C>
+void fold_row(const typename C::T* xrow, const typename C::T* A, const typename C::T* B,
+              int64_t K, int64_t R, int64_t N, float scale, typename C::T* xa,
+              typename C::T* out_row) {
+  using T = typename C::T;
+  for (int64_t j = 0; j < R; ++j) {
+    const T* a = A + j * K;
+    float acc = 0.f;
+    for (int64_t k = 0; k < K; ++k) acc += C::to_f(xrow[k]) * C::to_f(a[k]);
+    xa[j] = C::from_f(acc);
+  }
+  for (int64_t n = 0; n < N; ++n) {
+    const T* b = B + n * R;
+    float acc = 0.f;
+    for (int64_t j = 0; j < R; ++j) acc += C::to_f(xa[j]) * C::to_f(b[j]);
+    const float delta = C::to_f(C::from_f(acc));
+    const float scaled = scale * delta;
+    out_row[n] = C::from_f(C::to_f(out_row[n]) + scaled);
+  }
+}
+
+struct Dims {
+  int64_t K, N, R, P;
+};
+
+ffi::Error check_route(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuffer a_pool,
+                       ffi::AnyBuffer b_pool, ffi::Buffer<ffi::S32> a_table,
+                       ffi::Buffer<ffi::S32> b_table, ffi::Buffer<ffi::F32> scale_table,
+                       Dims* d, RouteView* route) {
+  auto xd = x.dimensions(), bd = base.dimensions();
+  auto ad = a_pool.dimensions(), pd = b_pool.dimensions(), td = a_table.dimensions();
+  if (xd.size() != 2 || bd.size() != 2 || ad.size() != 3 || pd.size() != 3 || td.size() != 2)
+    return ffi::Error::InvalidArgument("moe_lora fold: operand ranks are wrong");
+  const auto dt = base.element_type();
+  if (x.element_type() != dt || a_pool.element_type() != dt || b_pool.element_type() != dt)
+    return ffi::Error::InvalidArgument("moe_lora fold: x, base_out and pools differ in dtype");
+  d->P = ad[0]; d->R = ad[1]; d->K = ad[2]; d->N = pd[1];
+  if (xd[1] != d->K || bd[1] != d->N || pd[0] != d->P || pd[2] != d->R || d->R > kMaxRank)
+    return ffi::Error::InvalidArgument("moe_lora fold: pool and activation shapes disagree");
+  auto same = [&](auto dims) { return dims.size() == 2 && dims[0] == td[0] && dims[1] == td[1]; };
+  if (!same(b_table.dimensions()) || !same(scale_table.dimensions()))
+    return ffi::Error::InvalidArgument("moe_lora fold: table shapes differ");
+  *route = RouteView{a_table.typed_data(), b_table.typed_data(), scale_table.typed_data(),
+                     td[0], td[1], d->P};
+  return ffi::Error::Success();
+}
+
+template <class C>
+void gather_impl(ffi::AnyBuffer x, ffi::AnyBuffer base, const int32_t* indices,
+                 const int32_t* row_adapter, bool has_ra, ffi::AnyBuffer a_pool,
+                 ffi::AnyBuffer b_pool, const RouteView& route, const Dims& d, int64_t top_k,
+                 bool x_gather, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> xa) {
+  using T = typename C::T;
+  const int64_t n_slots = base.dimensions()[0];
+  T* o = reinterpret_cast<T*>(out->untyped_data());
+  if (out->untyped_data() != base.untyped_data())
+    std::memcpy(o, base.untyped_data(), base.size_bytes());
+  const T* xp = reinterpret_cast<const T*>(x.untyped_data());
+  const T* ap = reinterpret_cast<const T*>(a_pool.untyped_data());
+  const T* bp = reinterpret_cast<const T*>(b_pool.untyped_data());
+  T* xap = reinterpret_cast<T*>(xa->untyped_data());
+  for (int64_t row = 0; row < n_slots; ++row) {
+    const int64_t t = row / top_k;
+    Pair p;
+    if (!resolve_pair(route, has_ra ? row_adapter[t] : 0, indices[row], &p)) continue;
+    const T* xrow = xp + (x_gather ? t : row) * d.K;
+    fold_row<C>(xrow, ap + int64_t(p.a) * d.R * d.K, bp + int64_t(p.b) * d.N * d.R, d.K, d.R,
+                d.N, p.scale, xap + row * d.R, o + row * d.N);
+  }
+}
+
+template <class C>
+void grouped_impl(ffi::AnyBuffer x, ffi::AnyBuffer base, const int32_t* offsets,
+                  int64_t num_experts, const int32_t* sorted_token_ids, const int32_t* row_adapter,
+                  bool has_ra, int64_t num_ra, ffi::AnyBuffer a_pool, ffi::AnyBuffer b_pool,
+                  const RouteView& route, const Dims& d, int64_t row_offset, int64_t row_end,
+                  bool x_gather, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> xa) {
+  using T = typename C::T;
+  const int64_t te = base.dimensions()[0];
+  T* o = reinterpret_cast<T*>(out->untyped_data());
+  if (out->untyped_data() != base.untyped_data())
+    std::memcpy(o, base.untyped_data(), base.size_bytes());
+  const T* xp = reinterpret_cast<const T*>(x.untyped_data());
+  const T* ap = reinterpret_cast<const T*>(a_pool.untyped_data());
+  const T* bp = reinterpret_cast<const T*>(b_pool.untyped_data());
+  T* xap = reinterpret_cast<T*>(xa->untyped_data());
+  const int64_t num_tokens = x_gather ? x.dimensions()[0] : num_ra;
+  const int64_t lo = row_offset < 0 ? 0 : row_offset, hi = row_end < te ? row_end : te;
+  for (int64_t r = lo; r < hi; ++r) {
+    const int64_t e = find_expert(offsets, num_experts, r);
+    if (e < 0) continue;
+    int64_t tok, adapter;
+    if (!grouped_row_adapter(sorted_token_ids, row_adapter, has_ra, num_tokens, x_gather, r,
+                             &tok, &adapter))
+      continue;
+    Pair p;
+    if (!resolve_pair(route, adapter, e, &p)) continue;
+    const T* xrow = xp + (x_gather ? tok : r) * d.K;
+    fold_row<C>(xrow, ap + int64_t(p.a) * d.R * d.K, bp + int64_t(p.b) * d.N * d.R, d.K, d.R,
+                d.N, p.scale, xap + r * d.R, o + r * d.N);
+  }
+}
+
+template <template <class> class Fn, class... Args>
+ffi::Error dispatch(ffi::DataType dt, Args&&... args) {
+  switch (dt) {
+    case ffi::DataType::BF16: Fn<Bf16>::run(args...); return ffi::Error::Success();
+    case ffi::DataType::F16: Fn<F16>::run(args...); return ffi::Error::Success();
+    case ffi::DataType::F32: Fn<F32>::run(args...); return ffi::Error::Success();
+    default: return ffi::Error::InvalidArgument("moe_lora fold: dtype must be bf16, f16 or f32");
+  }
+}
+
+template <class C> struct GatherFn {
+  template <class... A> static void run(A&&... a) { gather_impl<C>(a...); }
+};
+template <class C> struct GroupedFn {
+  template <class... A> static void run(A&&... a) { grouped_impl<C>(a...); }
+};
+
+ffi::Error GatherBgmvCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::Buffer<ffi::S32> indices,
+                             ffi::Buffer<ffi::S32> row_adapter, ffi::AnyBuffer a_pool,
+                             ffi::AnyBuffer b_pool, ffi::Buffer<ffi::S32> a_table,
+                             ffi::Buffer<ffi::S32> b_table, ffi::Buffer<ffi::F32> scale_table,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> xa,
+                             int64_t top_k, int64_t x_gather, int64_t has_row_adapter,
+                             int64_t variant) {
+  (void)variant;  // one CPU implementation serves every variant
+  Dims d;
+  RouteView route;
+  if (auto e = check_route(x, base, a_pool, b_pool, a_table, b_table, scale_table, &d, &route);
+      e.failure())
+    return e;
+  const int64_t n_slots = base.dimensions()[0];
+  if (top_k < 1 || n_slots % top_k || indices.element_count() != n_slots)
+    return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: bad top_k or indices length");
+  if (x.dimensions()[0] != (x_gather ? n_slots / top_k : n_slots))
+    return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: x rows do not match x_gather");
+  if (has_row_adapter && row_adapter.element_count() != n_slots / top_k)
+    return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: row_adapter length");
+  return dispatch<GatherFn>(base.element_type(), x, base, indices.typed_data(),
+                            row_adapter.typed_data(), has_row_adapter != 0, a_pool, b_pool, route,
+                            d, top_k, x_gather != 0, out, xa);
+}
+
+ffi::Error GroupedDownCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base,
+                              ffi::Buffer<ffi::S32> expert_offsets,
+                              ffi::Buffer<ffi::S32> sorted_token_ids,
+                              ffi::Buffer<ffi::S32> row_adapter, ffi::AnyBuffer a_pool,
+                              ffi::AnyBuffer b_pool, ffi::Buffer<ffi::S32> a_table,
+                              ffi::Buffer<ffi::S32> b_table, ffi::Buffer<ffi::F32> scale_table,
+                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> xa,
+                              int64_t row_offset, int64_t row_end, int64_t x_gather,
+                              int64_t has_row_adapter, int64_t variant) {
+  (void)variant;
+  Dims d;
+  RouteView route;
+  if (auto e = check_route(x, base, a_pool, b_pool, a_table, b_table, scale_table, &d, &route);
+      e.failure())
+    return e;
+  const int64_t te = base.dimensions()[0];
+  const int64_t num_experts = int64_t(expert_offsets.element_count()) - 1;
+  if (num_experts < route.n_experts || int64_t(sorted_token_ids.element_count()) != te)
+    return ffi::Error::InvalidArgument("moe_lora_grouped_down: offsets or sorted ids length");
+  if (!x_gather && x.dimensions()[0] != te)
+    return ffi::Error::InvalidArgument("moe_lora_grouped_down: x rows do not match x_gather");
+  return dispatch<GroupedFn>(base.element_type(), x, base, expert_offsets.typed_data(),
+                             num_experts, sorted_token_ids.typed_data(), row_adapter.typed_data(),
+                             has_row_adapter != 0, int64_t(row_adapter.element_count()), a_pool,
+                             b_pool, route, d, row_offset, row_end, x_gather != 0, out, xa);
+}
+
+}  // namespace
+}  // namespace moelora
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeLoraGatherBgmvCpu, moelora::GatherBgmvCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // x
+                                  .Arg<ffi::AnyBuffer>()         // base_out
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // row_adapter
+                                  .Arg<ffi::AnyBuffer>()         // a_pool
+                                  .Arg<ffi::AnyBuffer>()         // b_pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // a_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // b_table
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale_table
+                                  .Ret<ffi::AnyBuffer>()         // out (aliases base_out)
+                                  .Ret<ffi::AnyBuffer>()         // xa scratch
+                                  .Attr<int64_t>("top_k")
+                                  .Attr<int64_t>("x_gather")
+                                  .Attr<int64_t>("has_row_adapter")
+                                  .Attr<int64_t>("variant"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeLoraGroupedDownCpu, moelora::GroupedDownCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // x
+                                  .Arg<ffi::AnyBuffer>()         // base_out
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // expert_offsets
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // sorted_token_ids
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // row_adapter
+                                  .Arg<ffi::AnyBuffer>()         // a_pool
+                                  .Arg<ffi::AnyBuffer>()         // b_pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // a_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // b_table
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale_table
+                                  .Ret<ffi::AnyBuffer>()         // out (aliases base_out)
+                                  .Ret<ffi::AnyBuffer>()         // xa scratch
+                                  .Attr<int64_t>("row_offset")
+                                  .Attr<int64_t>("row_end")
+                                  .Attr<int64_t>("x_gather")
+                                  .Attr<int64_t>("has_row_adapter")
+                                  .Attr<int64_t>("variant"),
+                              {ffi::Traits::kCmdBufferCompatible});

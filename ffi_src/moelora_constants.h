@@ -1,0 +1,31 @@
+// The one place for every constant shared by the C++/CUDA handlers and Python.
+// Python reads them from the built extension (jax_moelora._moelora), never
+// from a copy: see jax_moelora/geometry.py.
+#pragma once
+
+#include <cstdint>
+
+namespace moelora {
+
+// Rows per grouped-fold tile of the seed-design kernels (SPEC section 4).
+inline constexpr int kMlgMTile = 64;
+// Seed gather geometry: 256-thread blocks computing 4 outputs, 64 threads each.
+inline constexpr int kGbgmvThreads = 256;
+inline constexpr int kGbgmvNPerBlock = 4;
+inline constexpr int kGbgmvThreadsPerOutput = kGbgmvThreads / kGbgmvNPerBlock;
+// LoRA ranks are padded to a multiple of this (16-byte rows in bf16).
+inline constexpr int kRankAlign = 8;
+// Largest padded rank the kernels accept (shared-memory xa buffers).
+inline constexpr int kMaxRank = 256;
+
+// Value of the `variant` attribute of both custom calls.
+enum Variant : int64_t {
+  kVariantSeed = 0,  // seed geometry: shrink into xa, then expand-and-fold
+  kVariantFast = 1,  // tuned kernels
+};
+
+// FFI target names: one per op, registered for "cpu" and "CUDA".
+inline constexpr const char* kGatherBgmvTarget = "moe_lora_gather_bgmv";
+inline constexpr const char* kGroupedDownTarget = "moe_lora_grouped_down";
+
+}  // namespace moelora

@@ -1,0 +1,45 @@
+// The XLA FFI handler symbols of the extension, one per (op, platform).
+//
+// Both ops take the same trailing operands and attributes:
+//
+// moe_lora_gather_bgmv
+//   operands: x [X, K], base_out [n_slots, N], indices int32 [n_slots],
+//             row_adapter int32 [num_tokens] (or [1] when has_row_adapter=0),
+//             a_pool [P, R, K], b_pool [P, N, R], a_table int32 [L, E_t],
+//             b_table int32 [L, E_t], scale_table f32 [L, E_t]
+//   results:  out [n_slots, N] (aliases base_out), xa [n_slots, R] (scratch)
+//   attrs:    top_k, x_gather, has_row_adapter, variant (all int64)
+//   X = n_slots when x_gather = 0 (row `row` read), n_slots / top_k when
+//   x_gather = 1 (row `row / top_k` read). num_tokens = n_slots / top_k.
+//
+// moe_lora_grouped_down
+//   operands: x [X, K], base_out [te, N], expert_offsets int32 [num_experts+1],
+//             sorted_token_ids int32 [te], row_adapter int32 [num_tokens]
+//             (or [1]), then the five route arrays as above
+//   results:  out [te, N] (aliases base_out), xa [te, R] (scratch)
+//   attrs:    row_offset, row_end, x_gather, has_row_adapter, variant (int64)
+//   X = te when x_gather = 0 (row r read), else num_tokens (row
+//   sorted_token_ids[r] read). Only rows in [row_offset, row_end) fold.
+//
+// x, base_out, pools and out share one dtype: bf16, f16 or f32.
+#pragma once
+
+#include "xla/ffi/api/ffi.h"
+
+extern "C" {
+XLA_FFI_Error* MoeLoraGatherBgmvCpu(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* MoeLoraGroupedDownCpu(XLA_FFI_CallFrame* call_frame);
+#ifdef MOELORA_WITH_CUDA
+XLA_FFI_Error* MoeLoraGatherBgmvCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* MoeLoraGroupedDownCuda(XLA_FFI_CallFrame* call_frame);
+#endif
+}
+
+#ifdef MOELORA_WITH_CUDA
+namespace moelora {
+// MLG_M_TILE as the CUDA translation unit was compiled with it.
+int cuda_compiled_mlg_m_tile();
+// The CUDA architectures the kernels were built for, e.g. "90a".
+const char* cuda_architectures();
+}  // namespace moelora
+#endif

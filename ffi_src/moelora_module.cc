@@ -1,0 +1,57 @@
+// The nanobind module jax_moelora._moelora: FFI handler capsules per platform
+// and the constants Python must share with the kernels.
+#include <nanobind/nanobind.h>
+
+#include "moelora_constants.h"
+#include "moelora_handlers.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+nb::capsule capsule(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+NB_MODULE(_moelora, m) {
+  m.doc() = "XLA FFI handlers of jax_moelora (C++ for cpu, CUDA when built).";
+
+  m.def("registrations", []() {
+    nb::dict platforms;
+    nb::dict cpu;
+    cpu[moelora::kGatherBgmvTarget] = capsule(MoeLoraGatherBgmvCpu);
+    cpu[moelora::kGroupedDownTarget] = capsule(MoeLoraGroupedDownCpu);
+    platforms["cpu"] = cpu;
+#ifdef MOELORA_WITH_CUDA
+    nb::dict cuda;
+    cuda[moelora::kGatherBgmvTarget] = capsule(MoeLoraGatherBgmvCuda);
+    cuda[moelora::kGroupedDownTarget] = capsule(MoeLoraGroupedDownCuda);
+    platforms["CUDA"] = cuda;
+#endif
+    return platforms;
+  });
+
+  m.attr("MLG_M_TILE") = moelora::kMlgMTile;
+  m.attr("GBGMV_THREADS") = moelora::kGbgmvThreads;
+  m.attr("GBGMV_N_PER_BLOCK") = moelora::kGbgmvNPerBlock;
+  m.attr("GBGMV_THREADS_PER_OUTPUT") = moelora::kGbgmvThreadsPerOutput;
+  m.attr("RANK_ALIGN") = moelora::kRankAlign;
+  m.attr("MAX_RANK") = moelora::kMaxRank;
+  m.attr("VARIANT_SEED") = static_cast<int>(moelora::kVariantSeed);
+  m.attr("VARIANT_FAST") = static_cast<int>(moelora::kVariantFast);
+  m.attr("GATHER_BGMV_TARGET") = moelora::kGatherBgmvTarget;
+  m.attr("GROUPED_DOWN_TARGET") = moelora::kGroupedDownTarget;
+  m.attr("XLA_FFI_API_VERSION") =
+      nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+#ifdef MOELORA_WITH_CUDA
+  m.attr("HAS_CUDA") = true;
+  m.attr("CUDA_MLG_M_TILE") = moelora::cuda_compiled_mlg_m_tile();
+  m.attr("CUDA_ARCHITECTURES") = moelora::cuda_architectures();
+#else
+  m.attr("HAS_CUDA") = false;
+  m.attr("CUDA_MLG_M_TILE") = nb::none();
+  m.attr("CUDA_ARCHITECTURES") = nb::none();
+#endif
+}

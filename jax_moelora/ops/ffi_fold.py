@@ -1,0 +1,51 @@
+"""``jax.ffi.ffi_call`` wrappers of the two custom calls (C++ on cpu, CUDA on
+GPU; one target name per op). Inputs are validated by ``folds.py``; the
+operand and attribute layout is documented in ``ffi_src/moelora_handlers.h``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moelora import _ext
+from jax_moelora.tables import MoeExpertRoute
+
+__all__ = ["gather_bgmv_ffi", "grouped_down_ffi", "VARIANTS"]
+
+VARIANTS = {"seed": _ext.VARIANT_SEED, "fast": _ext.VARIANT_FAST, "cpu": _ext.VARIANT_SEED}
+
+
+def _row_adapter_operand(row_adapter):
+    if row_adapter is None:
+        return jnp.zeros((1,), jnp.int32), 0
+    return row_adapter, 1
+
+
+def _call(target, base_out, route: MoeExpertRoute, operands, **attrs):
+    _ext.register()
+    rows = base_out.shape[0]
+    out_types = (jax.ShapeDtypeStruct(base_out.shape, base_out.dtype),
+                 jax.ShapeDtypeStruct((rows, route.max_rank), base_out.dtype))
+    call = jax.ffi.ffi_call(target, out_types, input_output_aliases={1: 0},
+                            vmap_method="sequential")
+    out, _xa = call(*operands, route.a_pool, route.b_pool, route.a_table, route.b_table,
+                    route.scale_table, **{k: np.int64(v) for k, v in attrs.items()})
+    return out
+
+
+def gather_bgmv_ffi(x, base_out, indices, route, row_adapter, *, top_k: int, x_gather: int,
+                    impl: str):
+    ra, has_ra = _row_adapter_operand(row_adapter)
+    return _call(_ext.GATHER_BGMV_TARGET, base_out, route,
+                 (x, base_out, indices, ra), top_k=top_k, x_gather=x_gather,
+                 has_row_adapter=has_ra, variant=VARIANTS[impl])
+
+
+def grouped_down_ffi(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter, *,
+                     row_offset: int, row_end: int, x_gather: int, impl: str):
+    ra, has_ra = _row_adapter_operand(row_adapter)
+    return _call(_ext.GROUPED_DOWN_TARGET, base_out, route,
+                 (x, base_out, expert_offsets, sorted_token_ids, ra), row_offset=row_offset,
+                 row_end=row_end, x_gather=x_gather, has_row_adapter=has_ra,
+                 variant=VARIANTS[impl])

@@ -1,0 +1,279 @@
+"""The two MoE LoRA folds and ``moe_lora_fold`` (SPEC §5).
+
+Each function validates shapes and dtypes at trace time (``ValueError`` /
+``TypeError`` before any launch), then runs one backend:
+
+- ``"auto"``: the fastest on the platform (``"fast"`` on a GPU with the CUDA
+  kernels, ``"cpu"`` on the CPU, ``"jnp"`` elsewhere);
+- ``"fast"``: the tuned CUDA kernels; ``"seed"``: the CUDA kernels with the
+  seed's geometry; ``"cpu"``: the C++ FFI handlers; ``"jnp"``: pure JAX.
+
+Every backend folds in place (the result replaces ``base_out``; donate it to
+avoid a copy) and skips the same rows, bit-identically.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moelora import _ext
+from jax_moelora.ops import ffi_fold, jnp_fold
+from jax_moelora.tables import MoeExpertRoute
+
+__all__ = ["moe_lora_gather_bgmv", "moe_lora_grouped_down", "moe_lora_fold", "resolve_impl",
+           "IMPLS", "GATHER_MAX_ROWS"]
+
+Impl = Literal["auto", "fast", "seed", "cpu", "jnp"]
+IMPLS = ("auto", "fast", "seed", "cpu", "jnp")
+
+# moe_lora_fold uses the gather fold up to this many flat rows, else sorts.
+GATHER_MAX_ROWS = 2048
+
+
+def resolve_impl(impl: str) -> str:
+    """The concrete backend ``impl`` names on JAX's default backend."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    backend = jax.default_backend()
+    if impl == "auto":
+        if _ext.cuda_available():
+            return "fast"
+        return "cpu" if backend == "cpu" else "jnp"
+    if impl in ("fast", "seed") and not _ext.cuda_available():
+        why = ("the extension was built without CUDA (no nvcc at build time)" if not _ext.HAS_CUDA
+               else f"JAX's default backend is {backend!r}, not 'gpu'")
+        raise ValueError(f"impl={impl!r} needs the CUDA kernels on a GPU: {why}")
+    if impl == "cpu" and backend != "cpu":
+        raise ValueError(f"impl='cpu' runs the C++ handlers on the CPU backend; "
+                         f"JAX's default backend is {backend!r}")
+    return impl
+
+
+def _shape(name: str, v) -> tuple[int, ...]:
+    shape = getattr(v, "shape", None)
+    if shape is None or getattr(v, "dtype", None) is None:
+        raise TypeError(f"{name} must be an array, got {type(v).__name__}")
+    return tuple(shape)
+
+
+def _int_array(name: str, v, ndim: int = 1, allow_uint32: bool = False):
+    shape = _shape(name, v)
+    dt = jnp.dtype(v.dtype)
+    ok = dt == jnp.int32 or (allow_uint32 and dt == jnp.uint32)
+    if not ok:
+        want = "int32 or uint32" if allow_uint32 else "int32"
+        raise TypeError(f"{name} must be {want}, got {dt}")
+    if len(shape) != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {shape}")
+    return shape
+
+
+def _check_x_gather(x_gather) -> int:
+    if x_gather not in (0, 1) or isinstance(x_gather, float):
+        raise ValueError(f"x_gather must be 0 or 1, got {x_gather!r}")
+    return int(x_gather)
+
+
+def _check_common(fn: str, x, base_out, route) -> tuple[int, int]:
+    if not isinstance(route, MoeExpertRoute):
+        raise TypeError(f"{fn}: route must be a MoeExpertRoute, got {type(route).__name__}")
+    xs, bs = _shape("x", x), _shape("base_out", base_out)
+    if len(bs) != 2:
+        raise ValueError(f"{fn}: base_out must be 2-D [rows, n_out], got shape {bs}")
+    if len(xs) != 2:
+        raise ValueError(f"{fn}: x must be 2-D [rows, k_in], got shape {xs}")
+    if bs[0] == 0:
+        raise ValueError(f"{fn}: base_out has no rows")
+    dt = jnp.dtype(base_out.dtype)
+    if dt != route.dtype:
+        raise TypeError(f"{fn}: base_out dtype {dt} differs from the route's pools ({route.dtype})")
+    if jnp.dtype(x.dtype) != dt:
+        raise TypeError(f"{fn}: x dtype {jnp.dtype(x.dtype)} differs from base_out dtype {dt}")
+    if bs[1] != route.n_out:
+        raise ValueError(f"{fn}: base_out has {bs[1]} columns but the route's n_out is {route.n_out}")
+    if xs[1] != route.k_in:
+        raise ValueError(f"{fn}: x has {xs[1]} columns but the route's k_in is {route.k_in}")
+    if route.max_rank > _ext.MAX_RANK:
+        raise ValueError(f"{fn}: max_rank {route.max_rank} exceeds the kernels' limit {_ext.MAX_RANK}")
+    return xs[0], bs[0]
+
+
+def moe_lora_gather_bgmv(x: jax.Array, base_out: jax.Array, indices: jax.Array,
+                         route: MoeExpertRoute, row_adapter: jax.Array | None = None, *,
+                         top_k: int, x_gather: int, impl: Impl = "auto") -> jax.Array:
+    """Fold ``out[row] += scale_e * (x[x_row] @ A_e^T) @ B_e^T`` over unsorted flat rows.
+
+    Args:
+      x: ``[n_slots, k_in]`` (``x_gather=0``: row ``row`` is read) or
+        ``[num_tokens, k_in]`` (``x_gather=1``: row ``row // top_k``), the
+        activation dtype (bf16, f16 or f32).
+      base_out: ``[n_slots, n_out]``, flat token-major rows ``t * top_k + k``.
+      indices: int32 (or uint32) ``[n_slots]``, the expert id of each row.
+      route: the projection's ``MoeExpertRoute``.
+      row_adapter: int32 ``[num_tokens]`` adapter value per token (``< 0``:
+        no fold; with ``L > 1`` it picks the table row, ``>= L`` folds
+        nothing), or ``None`` to fold every row with table row 0.
+      top_k: experts per token; ``n_slots`` must be a multiple of it.
+      x_gather: 0 or 1, see ``x``.
+      impl: backend, see the module docstring.
+
+    Returns:
+      ``[n_slots, n_out]``: ``base_out`` with every adapted row folded.
+    """
+    fn = "moe_lora_gather_bgmv"
+    x_rows, n_slots = _check_common(fn, x, base_out, route)
+    x_gather = _check_x_gather(x_gather)
+    if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 1:
+        raise ValueError(f"{fn}: top_k must be a positive int, got {top_k!r}")
+    top_k = int(top_k)
+    if n_slots % top_k:
+        raise ValueError(f"{fn}: n_slots {n_slots} is not a multiple of top_k {top_k}")
+    num_tokens = n_slots // top_k
+    want_x = num_tokens if x_gather else n_slots
+    if x_rows != want_x:
+        raise ValueError(f"{fn}: x has {x_rows} rows; x_gather={x_gather} needs {want_x}")
+    (ni,) = _int_array("indices", indices, allow_uint32=True)
+    if ni != n_slots:
+        raise ValueError(f"{fn}: indices has {ni} entries, base_out has {n_slots} rows")
+    if row_adapter is not None:
+        (nr,) = _int_array("row_adapter", row_adapter)
+        if nr != num_tokens:
+            raise ValueError(f"{fn}: row_adapter has {nr} entries, the batch has {num_tokens} tokens")
+    impl = resolve_impl(impl)
+    if jnp.dtype(indices.dtype) == jnp.uint32:
+        indices = jax.lax.bitcast_convert_type(indices, jnp.int32)
+    if impl == "jnp":
+        return jnp_fold.gather_bgmv_jnp(x, base_out, indices, route, row_adapter,
+                                        top_k=top_k, x_gather=x_gather)
+    return ffi_fold.gather_bgmv_ffi(x, base_out, indices, route, row_adapter, top_k=top_k,
+                                    x_gather=x_gather, impl=impl)
+
+
+def moe_lora_grouped_down(x: jax.Array, base_out: jax.Array, expert_offsets: jax.Array,
+                          sorted_token_ids: jax.Array, route: MoeExpertRoute,
+                          row_adapter: jax.Array | None = None, *, row_offset: int = 0,
+                          row_end: int | None = None, x_gather: int,
+                          impl: Impl = "auto") -> jax.Array:
+    """Fold the expert-sorted rows ``r`` in ``[row_offset, row_end)``.
+
+    Args:
+      x: ``[te, k_in]`` sorted (``x_gather=0``: row ``r`` read) or
+        ``[num_tokens, k_in]`` (``x_gather=1``: row ``sorted_token_ids[r]``).
+      base_out: ``[te, n_out]`` in sorted order.
+      expert_offsets: int32 ``[num_experts + 1]`` non-decreasing prefix sums:
+        expert ``e`` owns sorted rows ``expert_offsets[e] .. expert_offsets[e+1]``;
+        ``num_experts >= route.n_experts``. Rows in no span fold nothing.
+      sorted_token_ids: int32 ``[te]``, the token of each sorted row.
+      route: the projection's ``MoeExpertRoute``.
+      row_adapter: int32 ``[num_tokens]``, read at ``sorted_token_ids[r]``
+        (a token outside it folds nothing), or ``None``.
+      row_offset, row_end: the window (static ints; default all rows). A
+        row's result does not depend on the window that holds it.
+      x_gather: 0 or 1, see ``x``.
+      impl: backend, see the module docstring.
+
+    Returns:
+      ``[te, n_out]``: ``base_out`` with the window's adapted rows folded.
+    """
+    fn = "moe_lora_grouped_down"
+    x_rows, te = _check_common(fn, x, base_out, route)
+    x_gather = _check_x_gather(x_gather)
+    (no,) = _int_array("expert_offsets", expert_offsets)
+    if no < route.n_experts + 1:
+        raise ValueError(f"{fn}: expert_offsets has {no} entries; the route's "
+                         f"{route.n_experts} experts need at least {route.n_experts + 1}")
+    (ns,) = _int_array("sorted_token_ids", sorted_token_ids)
+    if ns != te:
+        raise ValueError(f"{fn}: sorted_token_ids has {ns} entries, base_out has {te} rows")
+    if not x_gather and x_rows != te:
+        raise ValueError(f"{fn}: x has {x_rows} rows; x_gather=0 needs one per sorted row ({te})")
+    if x_gather and x_rows == 0:
+        raise ValueError(f"{fn}: x has no rows")
+    if row_adapter is not None:
+        (nr,) = _int_array("row_adapter", row_adapter)
+        if nr == 0:
+            raise ValueError(f"{fn}: row_adapter is empty")
+        if x_gather and nr != x_rows:
+            raise ValueError(f"{fn}: row_adapter has {nr} entries but x has {x_rows} tokens")
+    row_end = te if row_end is None else row_end
+    for name, v in (("row_offset", row_offset), ("row_end", row_end)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+            raise TypeError(f"{fn}: {name} must be a static int, got {type(v).__name__}")
+    row_offset, row_end = int(row_offset), int(row_end)
+    if not 0 <= row_offset <= row_end <= te:
+        raise ValueError(f"{fn}: window [{row_offset}, {row_end}) is not inside [0, {te}]")
+    impl = resolve_impl(impl)
+    if row_offset == row_end:
+        return base_out
+    kw = dict(row_offset=row_offset, row_end=row_end, x_gather=x_gather)
+    if impl == "jnp":
+        return jnp_fold.grouped_down_jnp(x, base_out, expert_offsets, sorted_token_ids, route,
+                                         row_adapter, **kw)
+    return ffi_fold.grouped_down_ffi(x, base_out, expert_offsets, sorted_token_ids, route,
+                                     row_adapter, impl=impl, **kw)
+
+
+def sort_rows_by_expert(topk_ids: jax.Array, n_experts: int):
+    """Stable sort of the flat rows of ``topk_ids [T, top_k]`` by expert id.
+
+    Returns ``(order, expert_offsets, sorted_token_ids)``: ``order [n_slots]``
+    maps sorted row -> flat row; ``expert_offsets`` int32 ``[n_experts + 1]``
+    (ids outside ``[0, n_experts)`` land outside every span);
+    ``sorted_token_ids = order // top_k``. Traced jnp, no host sync.
+    """
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    sorted_ids = flat[order]
+    offsets = jnp.searchsorted(sorted_ids, jnp.arange(n_experts + 1, dtype=jnp.int32),
+                               side="left").astype(jnp.int32)
+    return order, offsets, order // top_k
+
+
+def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route: MoeExpertRoute,
+                  row_adapter: jax.Array | None = None, *, x_gather: int,
+                  impl: Impl = "auto", gather_max_rows: int = GATHER_MAX_ROWS) -> jax.Array:
+    """Fold a layer's rows, choosing the gather fold or sort-then-grouped by size.
+
+    Args:
+      x: ``[T * top_k, k_in]`` (``x_gather=0``) or ``[T, k_in]`` (``x_gather=1``).
+      base_out: ``[T * top_k, n_out]`` in flat token-major row order.
+      topk_ids: int32 ``[T, top_k]`` expert ids.
+      route, row_adapter, impl: as for ``moe_lora_gather_bgmv``.
+      gather_max_rows: batches of at most this many flat rows take the gather
+        fold; larger ones are sorted by expert (stable, traced jnp), folded by
+        ``moe_lora_grouped_down`` and unsorted. Both give the same bits.
+
+    Returns:
+      ``[T * top_k, n_out]`` in flat row order.
+    """
+    ts = _shape("topk_ids", topk_ids)
+    if len(ts) != 2:
+        raise ValueError(f"moe_lora_fold: topk_ids must be [T, top_k], got shape {ts}")
+    top_k = ts[1]
+    if top_k < 1:
+        raise ValueError("moe_lora_fold: topk_ids has no slots")
+    _int_array("topk_ids", topk_ids, ndim=2, allow_uint32=True)
+    if jnp.dtype(topk_ids.dtype) == jnp.uint32:
+        topk_ids = jax.lax.bitcast_convert_type(topk_ids, jnp.int32)
+    n_slots = ts[0] * top_k
+    bs = _shape("base_out", base_out)
+    if len(bs) != 2 or bs[0] != n_slots:
+        raise ValueError(f"moe_lora_fold: base_out must be [T * top_k = {n_slots}, n_out], got {bs}")
+    if n_slots <= gather_max_rows:
+        return moe_lora_gather_bgmv(x, base_out, topk_ids.reshape(-1), route, row_adapter,
+                                    top_k=top_k, x_gather=x_gather, impl=impl)
+    order, offsets, sorted_tok = sort_rows_by_expert(topk_ids, route.n_experts)
+    xs = x if x_gather else _take_rows(x, order)
+    folded = moe_lora_grouped_down(xs, _take_rows(base_out, order), offsets, sorted_tok, route,
+                                   row_adapter, x_gather=x_gather, impl=impl)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n_slots, dtype=jnp.int32))
+    return _take_rows(folded, inverse)
+
+
+def _take_rows(v, rows):
+    return jnp.take(v, rows, axis=0, mode="clip")

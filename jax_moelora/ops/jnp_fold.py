@@ -1,0 +1,101 @@
+"""Pure-JAX folds (``impl="jnp"``): portable, differentiable, same skip rules
+and roundings as the custom calls (SPEC §5)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_moelora.tables import MoeExpertRoute
+
+__all__ = ["resolve_pairs", "apply_rows", "gather_bgmv_jnp", "grouped_down_jnp"]
+
+# Rows folded per step of the chunked per-row gather (bounds the memory of
+# the gathered A/B blocks: CHUNK * R * (K + N) elements).
+CHUNK = 256
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def resolve_pairs(route: MoeExpertRoute, adapter: jax.Array, expert: jax.Array):
+    """Vectorised skip rule of ``fold_common.h``: ``(a, b, scale, ok)`` per row.
+
+    ``adapter`` and ``expert`` are int32 ``[rows]``; ``a``/``b`` are clamped
+    pool slots (only meaningful where ``ok``).
+    """
+    L, E, P = route.max_loras, route.n_experts, route.pool_size
+    l = jnp.zeros_like(adapter) if L == 1 else adapter
+    ok = (adapter >= 0) & (l < L) & (expert >= 0) & (expert < E)
+    lc = jnp.clip(l, 0, L - 1)
+    ec = jnp.clip(expert, 0, E - 1)
+    a = route.a_table[lc, ec]
+    b = route.b_table[lc, ec]
+    s = route.scale_table[lc, ec]
+    ok = ok & (a > 0) & (b > 0) & (a < P) & (b < P)
+    a = jnp.where(ok, a, 0)
+    b = jnp.where(ok, b, 0)
+    return a, b, s, ok
+
+
+def _fold_chunk(xr, base, a, b, s, ok, a_pool, b_pool):
+    dt = base.dtype
+    xa = jnp.einsum("rk,rjk->rj", xr, a_pool[a], precision=_HI,
+                    preferred_element_type=jnp.float32).astype(dt)
+    delta = jnp.einsum("rj,rnj->rn", xa, b_pool[b], precision=_HI,
+                       preferred_element_type=jnp.float32).astype(dt)
+    folded = (base.astype(jnp.float32) + s[:, None] * delta.astype(jnp.float32)).astype(dt)
+    return jnp.where(ok[:, None], folded, base)
+
+
+def apply_rows(xr, base, a, b, s, ok, route: MoeExpertRoute):
+    """Fold rows: ``xr [rows, K]`` is each row's input, ``base [rows, N]``.
+
+    Gathers each row's A and B block (in chunks of ``CHUNK`` rows), three
+    roundings in the activation dtype, rows with ``ok == False`` unchanged.
+    """
+    rows = base.shape[0]
+    if rows <= CHUNK:
+        return _fold_chunk(xr, base, a, b, s, ok, route.a_pool, route.b_pool)
+    n = -(-rows // CHUNK)
+    pad = n * CHUNK - rows
+
+    def chunked(v):
+        v = jnp.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1))
+        return v.reshape((n, CHUNK) + v.shape[1:])
+
+    args = tuple(chunked(v) for v in (xr, base, a, b, s, ok))
+    out = jax.lax.map(lambda c: _fold_chunk(*c, route.a_pool, route.b_pool), args)
+    return out.reshape((n * CHUNK,) + base.shape[1:])[:rows]
+
+
+def gather_bgmv_jnp(x, base_out, indices, route, row_adapter, *, top_k: int, x_gather: int):
+    n_slots = base_out.shape[0]
+    rows = jnp.arange(n_slots, dtype=jnp.int32)
+    tok = rows // top_k
+    adapter = jnp.zeros_like(rows) if row_adapter is None else row_adapter[tok]
+    a, b, s, ok = resolve_pairs(route, adapter, indices.astype(jnp.int32))
+    xr = x if not x_gather else x[tok]
+    return apply_rows(xr, base_out, a, b, s, ok, route)
+
+
+def grouped_down_jnp(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter, *,
+                     row_offset: int, row_end: int, x_gather: int):
+    num_experts = expert_offsets.shape[0] - 1
+    r = jnp.arange(row_offset, row_end, dtype=jnp.int32)
+    e = jnp.searchsorted(expert_offsets, r, side="right").astype(jnp.int32) - 1
+    ec = jnp.clip(e, 0, num_experts - 1)
+    in_span = (e >= 0) & (e < num_experts) & (r < expert_offsets[ec + 1])
+    e = jnp.where(in_span, e, -1)
+    tok = sorted_token_ids[r]
+    ok_tok = jnp.ones_like(in_span)
+    if x_gather or row_adapter is not None:
+        limit = x.shape[0] if x_gather else row_adapter.shape[0]
+        ok_tok = (tok >= 0) & (tok < limit)
+    tokc = jnp.clip(tok, 0, (x.shape[0] if x_gather else 1 if row_adapter is None
+                            else row_adapter.shape[0]) - 1)
+    adapter = jnp.zeros_like(r) if row_adapter is None else row_adapter[tokc]
+    a, b, s, ok = resolve_pairs(route, adapter, e)
+    ok = ok & ok_tok
+    xr = x[tokc] if x_gather else x[row_offset:row_end]
+    folded = apply_rows(xr, base_out[row_offset:row_end], a, b, s, ok, route)
+    return jax.lax.dynamic_update_slice_in_dim(base_out, folded, row_offset, axis=0)
