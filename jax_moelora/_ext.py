@@ -8,11 +8,43 @@ keeps a copy of its own.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import importlib.util
+import sys
+from types import ModuleType
 from typing import Any
 
 import jax
 
-from jax_moelora import _moelora as ext
+
+def _load_extension() -> ModuleType:
+    """Import the compiled module; from a source checkout (``python -m
+    jax_moelora`` in the repository root shadows the installed package),
+    load the one ``pip install .`` put in site-packages."""
+    try:
+        from jax_moelora import _moelora
+
+        return _moelora
+    except ImportError as err:
+        try:
+            files = importlib.metadata.distribution("jax_moelora").files or []
+        except importlib.metadata.PackageNotFoundError:
+            files = []
+        for f in files:
+            if f.name.startswith("_moelora.") and f.parent.name == "jax_moelora":
+                spec = importlib.util.spec_from_file_location("jax_moelora._moelora",
+                                                              f.locate())
+                if spec is None or spec.loader is None:
+                    continue
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                sys.modules["jax_moelora._moelora"] = module
+                return module
+        raise ImportError("jax_moelora's compiled extension is missing: install the package "
+                          "with `pip install --no-build-isolation .` (see README)") from err
+
+
+ext = _load_extension()
 
 MLG_M_TILE: int = ext.MLG_M_TILE
 GBGMV_THREADS: int = ext.GBGMV_THREADS
@@ -37,9 +69,20 @@ def register() -> tuple[str, ...]:
     return tuple(platforms)
 
 
+def current_platform() -> str:
+    """The platform new computations go to: the ``jax.default_device``
+    context's when one is set, else JAX's default backend (``"cpu"``,
+    ``"gpu"``, ...)."""
+    dev = jax.config.jax_default_device
+    if dev is not None:
+        platform = dev if isinstance(dev, str) else dev.platform
+        return "gpu" if platform in ("cuda", "rocm") else platform
+    return jax.default_backend()
+
+
 def cuda_available() -> bool:
-    """True when the CUDA kernels were built and JAX's default backend is a GPU."""
-    return HAS_CUDA and jax.default_backend() == "gpu"
+    """True when the CUDA kernels were built and computations go to a GPU."""
+    return HAS_CUDA and current_platform() == "gpu"
 
 
 def backends() -> dict[str, Any]:
@@ -52,7 +95,7 @@ def backends() -> dict[str, Any]:
     """
     platforms = register()
     impls = ["jnp"]
-    backend = jax.default_backend()
+    backend = current_platform()
     if backend == "cpu":
         impls.insert(0, "cpu")
     if cuda_available():

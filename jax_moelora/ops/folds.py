@@ -38,18 +38,18 @@ def resolve_impl(impl: str) -> str:
     """The concrete backend ``impl`` names on JAX's default backend."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    backend = jax.default_backend()
+    backend = _ext.current_platform()
     if impl == "auto":
         if _ext.cuda_available():
             return "fast"
         return "cpu" if backend == "cpu" else "jnp"
     if impl in ("fast", "seed") and not _ext.cuda_available():
         why = ("the extension was built without CUDA (no nvcc at build time)" if not _ext.HAS_CUDA
-               else f"JAX's default backend is {backend!r}, not 'gpu'")
+               else f"computations go to {backend!r}, not 'gpu'")
         raise ValueError(f"impl={impl!r} needs the CUDA kernels on a GPU: {why}")
     if impl == "cpu" and backend != "cpu":
-        raise ValueError(f"impl='cpu' runs the C++ handlers on the CPU backend; "
-                         f"JAX's default backend is {backend!r}")
+        raise ValueError(f"impl='cpu' runs the C++ handlers on the CPU; computations go to "
+                         f"{backend!r} (use `with jax.default_device(jax.devices('cpu')[0])`)")
     return impl
 
 
