@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "fold_common.h"
+#include "xla/ffi/api/ffi.h"
 
 namespace moelora {
 
@@ -36,6 +37,25 @@ template <> struct Traits<DType::kF32> {
 // to fp32 before the add (no fused multiply-add), as the CPU handlers do.
 __device__ __forceinline__ float fold_add(float out, float scale, float delta) {
   return __fadd_rn(out, __fmul_rn(scale, delta));
+}
+
+// Sum of `v` over each group of kGbgmvThreadsPerOutput consecutive threads of
+// a kGbgmvThreads block (the seed kernels' one-output-per-64-threads layout).
+// Every thread of the block must call it (it synchronises the block).
+__device__ __forceinline__ float seed_group_sum(float v) {
+  constexpr int kWarps = kGbgmvThreads / 32;
+  constexpr int kWarpsPerGroup = kGbgmvThreadsPerOutput / 32;
+  __shared__ float partial[kWarps];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) partial[warp] = v;
+  __syncthreads();
+  const int group = threadIdx.x / kGbgmvThreadsPerOutput;
+  float s = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarpsPerGroup; ++w) s += partial[group * kWarpsPerGroup + w];
+  __syncthreads();  // partial[] is reused by the next call
+  return s;
 }
 
 // Everything a gather fold launch needs (device pointers; shapes as int64).
@@ -71,6 +91,28 @@ struct GroupedArgs {
   int64_t num_experts, te, K, N, R, row_offset, row_end;
   bool x_gather;
 };
+
+// The seed-design kernels (moe_lora_gather_bgmv.cu, moe_lora_grouped_down.cu):
+// two launches each, shrink into xa then expand-and-fold.
+cudaError_t launch_gather_seed(const GatherArgs& args, cudaStream_t stream);
+cudaError_t launch_grouped_seed(const GroupedArgs& args, cudaStream_t stream);
+
+// The kernels' dtype of an FFI element type (bf16, f16 or f32).
+inline xla::ffi::Error cuda_dtype(xla::ffi::DataType t, DType* out) {
+  switch (t) {
+    case xla::ffi::DataType::BF16: *out = DType::kBf16; return xla::ffi::Error::Success();
+    case xla::ffi::DataType::F16: *out = DType::kF16; return xla::ffi::Error::Success();
+    case xla::ffi::DataType::F32: *out = DType::kF32; return xla::ffi::Error::Success();
+    default: return xla::ffi::Error::InvalidArgument("moe_lora fold: dtype must be bf16, f16 or f32");
+  }
+}
+
+// Copy base_out into out when XLA did not alias them, then launch `variant`.
+// Shared by both CUDA handlers.
+inline cudaError_t prepare_out(const void* base, void* out, size_t bytes, cudaStream_t stream) {
+  if (base == out) return cudaSuccess;
+  return cudaMemcpyAsync(out, base, bytes, cudaMemcpyDeviceToDevice, stream);
+}
 
 // The tuned kernels (moe_lora_fast.cu). They fold exactly like the seed
 // kernels (same skip rules, same roundings; summation order may differ).

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "fold_ffi.h"
 #include "fold_common.h"
 #include "moelora_handlers.h"
 #include "xla/ffi/api/ffi.h"
@@ -88,32 +89,6 @@ void fold_row(const typename C::T* xrow, const typename C::T* A, const typename 
     const float scaled = scale * delta;
     out_row[n] = C::from_f(C::to_f(out_row[n]) + scaled);
   }
-}
-
-struct Dims {
-  int64_t K, N, R, P;
-};
-
-ffi::Error check_route(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuffer a_pool,
-                       ffi::AnyBuffer b_pool, ffi::Buffer<ffi::S32> a_table,
-                       ffi::Buffer<ffi::S32> b_table, ffi::Buffer<ffi::F32> scale_table,
-                       Dims* d, RouteView* route) {
-  auto xd = x.dimensions(), bd = base.dimensions();
-  auto ad = a_pool.dimensions(), pd = b_pool.dimensions(), td = a_table.dimensions();
-  if (xd.size() != 2 || bd.size() != 2 || ad.size() != 3 || pd.size() != 3 || td.size() != 2)
-    return ffi::Error::InvalidArgument("moe_lora fold: operand ranks are wrong");
-  const auto dt = base.element_type();
-  if (x.element_type() != dt || a_pool.element_type() != dt || b_pool.element_type() != dt)
-    return ffi::Error::InvalidArgument("moe_lora fold: x, base_out and pools differ in dtype");
-  d->P = ad[0]; d->R = ad[1]; d->K = ad[2]; d->N = pd[1];
-  if (xd[1] != d->K || bd[1] != d->N || pd[0] != d->P || pd[2] != d->R || d->R > kMaxRank)
-    return ffi::Error::InvalidArgument("moe_lora fold: pool and activation shapes disagree");
-  auto same = [&](auto dims) { return dims.size() == 2 && dims[0] == td[0] && dims[1] == td[1]; };
-  if (!same(b_table.dimensions()) || !same(scale_table.dimensions()))
-    return ffi::Error::InvalidArgument("moe_lora fold: table shapes differ");
-  *route = RouteView{a_table.typed_data(), b_table.typed_data(), scale_table.typed_data(),
-                     td[0], td[1], d->P};
-  return ffi::Error::Success();
 }
 
 template <class C>
@@ -202,13 +177,9 @@ ffi::Error GatherBgmvCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::Buffer<
   if (auto e = check_route(x, base, a_pool, b_pool, a_table, b_table, scale_table, &d, &route);
       e.failure())
     return e;
-  const int64_t n_slots = base.dimensions()[0];
-  if (top_k < 1 || n_slots % top_k || indices.element_count() != n_slots)
-    return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: bad top_k or indices length");
-  if (x.dimensions()[0] != (x_gather ? n_slots / top_k : n_slots))
-    return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: x rows do not match x_gather");
-  if (has_row_adapter && row_adapter.element_count() != n_slots / top_k)
-    return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: row_adapter length");
+  if (auto e = check_gather(x, base, indices, row_adapter, top_k, x_gather, has_row_adapter);
+      e.failure())
+    return e;
   return dispatch<GatherFn>(base.element_type(), x, base, indices.typed_data(),
                             row_adapter.typed_data(), has_row_adapter != 0, a_pool, b_pool, route,
                             d, top_k, x_gather != 0, out, xa);
@@ -229,12 +200,10 @@ ffi::Error GroupedDownCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base,
   if (auto e = check_route(x, base, a_pool, b_pool, a_table, b_table, scale_table, &d, &route);
       e.failure())
     return e;
-  const int64_t te = base.dimensions()[0];
+  if (auto e = check_grouped(x, base, expert_offsets, sorted_token_ids, route, x_gather);
+      e.failure())
+    return e;
   const int64_t num_experts = int64_t(expert_offsets.element_count()) - 1;
-  if (num_experts < route.n_experts || int64_t(sorted_token_ids.element_count()) != te)
-    return ffi::Error::InvalidArgument("moe_lora_grouped_down: offsets or sorted ids length");
-  if (!x_gather && x.dimensions()[0] != te)
-    return ffi::Error::InvalidArgument("moe_lora_grouped_down: x rows do not match x_gather");
   return dispatch<GroupedFn>(base.element_type(), x, base, expert_offsets.typed_data(),
                              num_experts, sorted_token_ids.typed_data(), row_adapter.typed_data(),
                              has_row_adapter != 0, int64_t(row_adapter.element_count()), a_pool,
@@ -245,41 +214,9 @@ ffi::Error GroupedDownCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base,
 }  // namespace moelora
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeLoraGatherBgmvCpu, moelora::GatherBgmvCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()         // x
-                                  .Arg<ffi::AnyBuffer>()         // base_out
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // indices
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // row_adapter
-                                  .Arg<ffi::AnyBuffer>()         // a_pool
-                                  .Arg<ffi::AnyBuffer>()         // b_pool
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // a_table
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // b_table
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale_table
-                                  .Ret<ffi::AnyBuffer>()         // out (aliases base_out)
-                                  .Ret<ffi::AnyBuffer>()         // xa scratch
-                                  .Attr<int64_t>("top_k")
-                                  .Attr<int64_t>("x_gather")
-                                  .Attr<int64_t>("has_row_adapter")
-                                  .Attr<int64_t>("variant"),
+                              moelora::bind_gather(ffi::Ffi::Bind()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeLoraGroupedDownCpu, moelora::GroupedDownCpuImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()         // x
-                                  .Arg<ffi::AnyBuffer>()         // base_out
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // expert_offsets
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // sorted_token_ids
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // row_adapter
-                                  .Arg<ffi::AnyBuffer>()         // a_pool
-                                  .Arg<ffi::AnyBuffer>()         // b_pool
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // a_table
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // b_table
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale_table
-                                  .Ret<ffi::AnyBuffer>()         // out (aliases base_out)
-                                  .Ret<ffi::AnyBuffer>()         // xa scratch
-                                  .Attr<int64_t>("row_offset")
-                                  .Attr<int64_t>("row_end")
-                                  .Attr<int64_t>("x_gather")
-                                  .Attr<int64_t>("has_row_adapter")
-                                  .Attr<int64_t>("variant"),
+                              moelora::bind_grouped(ffi::Ffi::Bind()),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,111 @@
+// FFI bindings and host-side operand checks of both folds, shared by the CPU
+// and CUDA handlers (Python validates first; these guard the raw buffers).
+// The operand layout is documented in moelora_handlers.h.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include "fold_common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace moelora {
+
+namespace ffi = xla::ffi;
+
+struct Dims {
+  int64_t K, N, R, P;
+};
+
+inline ffi::Error check_route(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuffer a_pool,
+                       ffi::AnyBuffer b_pool, ffi::Buffer<ffi::S32> a_table,
+                       ffi::Buffer<ffi::S32> b_table, ffi::Buffer<ffi::F32> scale_table,
+                       Dims* d, RouteView* route) {
+  auto xd = x.dimensions(), bd = base.dimensions();
+  auto ad = a_pool.dimensions(), pd = b_pool.dimensions(), td = a_table.dimensions();
+  if (xd.size() != 2 || bd.size() != 2 || ad.size() != 3 || pd.size() != 3 || td.size() != 2)
+    return ffi::Error::InvalidArgument("moe_lora fold: operand ranks are wrong");
+  const auto dt = base.element_type();
+  if (x.element_type() != dt || a_pool.element_type() != dt || b_pool.element_type() != dt)
+    return ffi::Error::InvalidArgument("moe_lora fold: x, base_out and pools differ in dtype");
+  d->P = ad[0]; d->R = ad[1]; d->K = ad[2]; d->N = pd[1];
+  if (xd[1] != d->K || bd[1] != d->N || pd[0] != d->P || pd[2] != d->R || d->R > kMaxRank)
+    return ffi::Error::InvalidArgument("moe_lora fold: pool and activation shapes disagree");
+  auto same = [&](auto dims) { return dims.size() == 2 && dims[0] == td[0] && dims[1] == td[1]; };
+  if (!same(b_table.dimensions()) || !same(scale_table.dimensions()))
+    return ffi::Error::InvalidArgument("moe_lora fold: table shapes differ");
+  *route = RouteView{a_table.typed_data(), b_table.typed_data(), scale_table.typed_data(),
+                     td[0], td[1], d->P};
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_gather(ffi::AnyBuffer x, ffi::AnyBuffer base,
+                               ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> row_adapter,
+                               int64_t top_k, int64_t x_gather, int64_t has_row_adapter) {
+  const int64_t n_slots = base.dimensions()[0];
+  if (top_k < 1 || n_slots % top_k || int64_t(indices.element_count()) != n_slots)
+    return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: bad top_k or indices length");
+  if (x.dimensions()[0] != (x_gather ? n_slots / top_k : n_slots))
+    return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: x rows do not match x_gather");
+  if (has_row_adapter && int64_t(row_adapter.element_count()) != n_slots / top_k)
+    return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: row_adapter length");
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_grouped(ffi::AnyBuffer x, ffi::AnyBuffer base,
+                                ffi::Buffer<ffi::S32> expert_offsets,
+                                ffi::Buffer<ffi::S32> sorted_token_ids, const RouteView& route,
+                                int64_t x_gather) {
+  const int64_t te = base.dimensions()[0];
+  const int64_t num_experts = int64_t(expert_offsets.element_count()) - 1;
+  if (num_experts < route.n_experts || int64_t(sorted_token_ids.element_count()) != te)
+    return ffi::Error::InvalidArgument("moe_lora_grouped_down: offsets or sorted ids length");
+  if (!x_gather && x.dimensions()[0] != te)
+    return ffi::Error::InvalidArgument("moe_lora_grouped_down: x rows do not match x_gather");
+  return ffi::Error::Success();
+}
+
+// The operands, results and attributes of moe_lora_gather_bgmv, appended to
+// a binding that may already hold a context (the CUDA stream).
+template <class B>
+auto bind_gather(B binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::AnyBuffer>()                   // base_out
+      .template Arg<ffi::Buffer<ffi::S32>>()            // indices
+      .template Arg<ffi::Buffer<ffi::S32>>()            // row_adapter
+      .template Arg<ffi::AnyBuffer>()                   // a_pool
+      .template Arg<ffi::AnyBuffer>()                   // b_pool
+      .template Arg<ffi::Buffer<ffi::S32>>()            // a_table
+      .template Arg<ffi::Buffer<ffi::S32>>()            // b_table
+      .template Arg<ffi::Buffer<ffi::F32>>()            // scale_table
+      .template Ret<ffi::AnyBuffer>()                   // out (aliases base_out)
+      .template Ret<ffi::AnyBuffer>()                   // xa scratch
+      .template Attr<int64_t>("top_k")
+      .template Attr<int64_t>("x_gather")
+      .template Attr<int64_t>("has_row_adapter")
+      .template Attr<int64_t>("variant");
+}
+
+// The operands, results and attributes of moe_lora_grouped_down.
+template <class B>
+auto bind_grouped(B binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::AnyBuffer>()                   // base_out
+      .template Arg<ffi::Buffer<ffi::S32>>()            // expert_offsets
+      .template Arg<ffi::Buffer<ffi::S32>>()            // sorted_token_ids
+      .template Arg<ffi::Buffer<ffi::S32>>()            // row_adapter
+      .template Arg<ffi::AnyBuffer>()                   // a_pool
+      .template Arg<ffi::AnyBuffer>()                   // b_pool
+      .template Arg<ffi::Buffer<ffi::S32>>()            // a_table
+      .template Arg<ffi::Buffer<ffi::S32>>()            // b_table
+      .template Arg<ffi::Buffer<ffi::F32>>()            // scale_table
+      .template Ret<ffi::AnyBuffer>()                   // out (aliases base_out)
+      .template Ret<ffi::AnyBuffer>()                   // xa scratch
+      .template Attr<int64_t>("row_offset")
+      .template Attr<int64_t>("row_end")
+      .template Attr<int64_t>("x_gather")
+      .template Attr<int64_t>("has_row_adapter")
+      .template Attr<int64_t>("variant");
+}
+
+}  // namespace moelora

@@ -1,0 +1,165 @@
+// moe_lora_gather_bgmv for CUDA: the seed-design kernels and the FFI handler.
+//
+// Seed geometry (SPEC section 4): per fold two kernels of 256-thread blocks,
+// each block computing 4 outputs of one flat row, 64 threads per output.
+//   shrink: grid (ceil(R / 4), n_slots, 1), xa[row, j] = round(x[x_row] . A[j])
+//   expand: grid (ceil(N / 4), n_slots, 1), out[row, n] = round(out + s * round(xa . B[n]))
+// Rows are read unsorted; the expert comes from indices[row], the adapter
+// from row_adapter[row / top_k]; skip rules from fold_common.h.
+#include <algorithm>
+
+#include "cuda_common.cuh"
+#include "fold_ffi.h"
+#include "moelora_handlers.h"
+
+namespace ffi = xla::ffi;
+
+namespace moelora {
+namespace {
+
+constexpr int64_t kMaxGridY = 65535;
+
+struct GatherRow {
+  Pair pair;
+  int64_t token;
+};
+
+__device__ __forceinline__ bool gather_row(const GatherArgs& a, int64_t row, GatherRow* out) {
+  out->token = row / a.top_k;
+  const int64_t adapter = a.has_row_adapter ? a.row_adapter[out->token] : 0;
+  return resolve_pair(a.route, adapter, a.indices[row], &out->pair);
+}
+
+template <DType D>
+__global__ void __launch_bounds__(kGbgmvThreads)
+    gather_shrink_seed(GatherArgs a, int64_t row_base) {
+  using Tr = Traits<D>;
+  using T = typename Tr::T;
+  const int64_t row = row_base + blockIdx.y;
+  GatherRow g;
+  if (!gather_row(a, row, &g)) return;  // uniform over the block
+  const int lane = threadIdx.x % kGbgmvThreadsPerOutput;
+  const int64_t j = int64_t(blockIdx.x) * kGbgmvNPerBlock + threadIdx.x / kGbgmvThreadsPerOutput;
+  float acc = 0.f;
+  if (j < a.R) {
+    const T* x = static_cast<const T*>(a.x) + (a.x_gather ? g.token : row) * a.K;
+    const T* w = static_cast<const T*>(a.a_pool) + (int64_t(g.pair.a) * a.R + j) * a.K;
+    for (int64_t k = lane; k < a.K; k += kGbgmvThreadsPerOutput)
+      acc += Tr::to_f(x[k]) * Tr::to_f(w[k]);
+  }
+  const float s = seed_group_sum(acc);
+  if (j < a.R && lane == 0) static_cast<T*>(a.xa)[row * a.R + j] = Tr::from_f(s);
+}
+
+template <DType D>
+__global__ void __launch_bounds__(kGbgmvThreads)
+    gather_expand_seed(GatherArgs a, int64_t row_base) {
+  using Tr = Traits<D>;
+  using T = typename Tr::T;
+  const int64_t row = row_base + blockIdx.y;
+  GatherRow g;
+  if (!gather_row(a, row, &g)) return;
+  const int lane = threadIdx.x % kGbgmvThreadsPerOutput;
+  const int64_t n = int64_t(blockIdx.x) * kGbgmvNPerBlock + threadIdx.x / kGbgmvThreadsPerOutput;
+  float acc = 0.f;
+  if (n < a.N) {
+    const T* xa = static_cast<const T*>(a.xa) + row * a.R;
+    const T* w = static_cast<const T*>(a.b_pool) + (int64_t(g.pair.b) * a.N + n) * a.R;
+    for (int64_t j = lane; j < a.R; j += kGbgmvThreadsPerOutput)
+      acc += Tr::to_f(xa[j]) * Tr::to_f(w[j]);
+  }
+  const float s = seed_group_sum(acc);
+  if (n < a.N && lane == 0) {
+    T* o = static_cast<T*>(a.out) + row * a.N + n;
+    const float delta = Tr::to_f(Tr::from_f(s));
+    *o = Tr::from_f(fold_add(Tr::to_f(*o), g.pair.scale, delta));
+  }
+}
+
+template <DType D>
+cudaError_t launch_seed(const GatherArgs& a, cudaStream_t stream) {
+  const unsigned shrink_x = unsigned((a.R + kGbgmvNPerBlock - 1) / kGbgmvNPerBlock);
+  const unsigned expand_x = unsigned((a.N + kGbgmvNPerBlock - 1) / kGbgmvNPerBlock);
+  // grid.y is capped at 65535 rows per launch; larger batches take several.
+  for (int64_t base = 0; base < a.n_slots; base += kMaxGridY) {
+    const unsigned rows = unsigned(std::min<int64_t>(kMaxGridY, a.n_slots - base));
+    gather_shrink_seed<D><<<dim3(shrink_x, rows, 1), kGbgmvThreads, 0, stream>>>(a, base);
+    gather_expand_seed<D><<<dim3(expand_x, rows, 1), kGbgmvThreads, 0, stream>>>(a, base);
+  }
+  return cudaPeekAtLastError();
+}
+
+ffi::Error GatherBgmvCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer base,
+                              ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> row_adapter,
+                              ffi::AnyBuffer a_pool, ffi::AnyBuffer b_pool,
+                              ffi::Buffer<ffi::S32> a_table, ffi::Buffer<ffi::S32> b_table,
+                              ffi::Buffer<ffi::F32> scale_table, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::AnyBuffer> xa, int64_t top_k, int64_t x_gather,
+                              int64_t has_row_adapter, int64_t variant) {
+  Dims d;
+  RouteView route;
+  if (auto e = check_route(x, base, a_pool, b_pool, a_table, b_table, scale_table, &d, &route);
+      e.failure())
+    return e;
+  if (auto e = check_gather(x, base, indices, row_adapter, top_k, x_gather, has_row_adapter);
+      e.failure())
+    return e;
+  DType dtype;
+  if (auto e = cuda_dtype(base.element_type(), &dtype); e.failure()) return e;
+  GatherArgs args{dtype,
+                  x.untyped_data(),
+                  out->untyped_data(),
+                  xa->untyped_data(),
+                  indices.typed_data(),
+                  row_adapter.typed_data(),
+                  has_row_adapter != 0,
+                  a_pool.untyped_data(),
+                  b_pool.untyped_data(),
+                  route,
+                  base.dimensions()[0],
+                  d.K,
+                  d.N,
+                  d.R,
+                  top_k,
+                  x_gather != 0};
+  cudaError_t err = prepare_out(base.untyped_data(), out->untyped_data(), base.size_bytes(), stream);
+  if (err == cudaSuccess) {
+    switch (variant) {
+      case kVariantSeed: err = launch_gather_seed(args, stream); break;
+      case kVariantFast: err = launch_gather_fast(args, stream); break;
+      default: return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: unknown variant");
+    }
+  }
+  if (err != cudaSuccess)
+    return ffi::Error::Internal(std::string("moe_lora_gather_bgmv: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+cudaError_t launch_gather_seed(const GatherArgs& a, cudaStream_t stream) {
+  if (a.n_slots == 0) return cudaSuccess;
+  switch (a.dtype) {
+    case DType::kBf16: return launch_seed<DType::kBf16>(a, stream);
+    case DType::kF16: return launch_seed<DType::kF16>(a, stream);
+    case DType::kF32: return launch_seed<DType::kF32>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+int cuda_compiled_mlg_m_tile() { return kMlgMTile; }
+
+const char* cuda_architectures() {
+#ifdef MOELORA_CUDA_ARCHS
+  return MOELORA_CUDA_ARCHS;
+#else
+  return "";
+#endif
+}
+
+}  // namespace moelora
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeLoraGatherBgmvCuda, moelora::GatherBgmvCudaImpl,
+                              moelora::bind_gather(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
