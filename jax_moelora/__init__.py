@@ -20,13 +20,49 @@ from jax_moelora.ops import (
     moe_lora_grouped_down,
     sort_rows_by_expert,
 )
-from jax_moelora.tables import MoeExpertRoute
+from jax_moelora.routing import (
+    Route,
+    UnservableBatchError,
+    build_moe_row_adapter,
+    build_moe_row_adapter_decode,
+    build_moe_row_adapter_decode_multi,
+    build_moe_row_adapter_host,
+    checkify_decode_route_servable,
+    decode_route_servable,
+    ensure_decode_route_servable,
+    resolve_moe_lora_route,
+    resolve_moe_lora_route_multi,
+)
+from jax_moelora.tables import (
+    ExpertTables,
+    MoeExpertRoute,
+    pack_expert_tables,
+    pack_expert_tables_traced,
+    route_from_dense,
+    router_route,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ExpertTables",
     "MLG_M_TILE",
     "MoeExpertRoute",
+    "Route",
+    "UnservableBatchError",
+    "build_moe_row_adapter",
+    "build_moe_row_adapter_decode",
+    "build_moe_row_adapter_decode_multi",
+    "build_moe_row_adapter_host",
+    "checkify_decode_route_servable",
+    "decode_route_servable",
+    "ensure_decode_route_servable",
+    "pack_expert_tables",
+    "pack_expert_tables_traced",
+    "resolve_moe_lora_route",
+    "resolve_moe_lora_route_multi",
+    "route_from_dense",
+    "router_route",
     "backends",
     "gather_bgmv_grids",
     "gather_row_token",
