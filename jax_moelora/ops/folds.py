@@ -264,6 +264,15 @@ def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route:
     bs = _shape("base_out", base_out)
     if len(bs) != 2 or bs[0] != n_slots:
         raise ValueError(f"moe_lora_fold: base_out must be [T * top_k = {n_slots}, n_out], got {bs}")
+    # The sort path's gathers would hide a wrong x or row_adapter length: check here.
+    x_gather = _check_x_gather(x_gather)
+    xs, want_x = _shape("x", x), ts[0] if x_gather else n_slots
+    if len(xs) != 2 or xs[0] != want_x:
+        raise ValueError(f"moe_lora_fold: x must be [{want_x}, k_in] with x_gather={x_gather}, "
+                         f"got {xs}")
+    if row_adapter is not None and _int_array("row_adapter", row_adapter)[0] != ts[0]:
+        raise ValueError(f"moe_lora_fold: row_adapter has {row_adapter.shape[0]} entries, the "
+                         f"batch has {ts[0]} tokens")
     if n_slots <= gather_max_rows:
         return moe_lora_gather_bgmv(x, base_out, topk_ids.reshape(-1), route, row_adapter,
                                     top_k=top_k, x_gather=x_gather, impl=impl)

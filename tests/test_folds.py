@@ -1,0 +1,425 @@
+"""The two folds and ``moe_lora_fold`` against the float64 reference (SPEC §5, §6).
+
+Every backend is run on the same random cases (``_fold_cases``): rows that
+must fold next to every kind of row that must be skipped, poisoned so that a
+stray read or write shows. ``check_fold`` holds each result to SPEC §6: skipped
+rows bit-identical, every folded row written, no NaN where the reference is
+finite, the delta within the dtype's relative error, and for the seed kernels
+and CPU handlers the ulp criterion. Backends ``seed`` and ``fast`` (the CUDA
+kernels) carry the ``gpu`` marker; ``cpu`` runs on the CPU on any machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from _fold_cases import (DELTA_RTOL, DTYPE_IDS, DTYPES, assert_ulp_close, bits, check_fold,
+                         concrete_impl, delta_rel_error, graph_program, is_seed_design,
+                         make_gather_case, make_grouped_case, make_route, on_platform,
+                         stack_routes, to_device)
+from conftest import HAS_GPU
+
+GPU = pytest.mark.gpu
+CUDA_IMPLS = [pytest.param("seed", marks=GPU), pytest.param("fast", marks=GPU)]
+IMPLS = ["cpu", "jnp", *CUDA_IMPLS]
+# The backends that must agree with the CPU handlers within the seed tolerance.
+SEED_DESIGN_GPU = CUDA_IMPLS
+
+dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+x_gathers = pytest.mark.parametrize("x_gather", [0, 1], ids=["xg0", "xg1"])
+loras = pytest.mark.parametrize("num_loras", [1, 4], ids=["L1", "L4"])
+maps = pytest.mark.parametrize("with_map", [False, True], ids=["no_map", "map"])
+impls = pytest.mark.parametrize("impl", IMPLS)
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random inputs per test, reproducible from the test's id."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def _check(case, out, impl, **kw):
+    check_fold(case, out, strict=is_seed_design(impl), **kw)
+
+
+# ------------------------------------------------------------------- gather
+
+@maps
+@loras
+@x_gathers
+@dtypes
+@impls
+def test_gather_fold_matches_reference(rng, impl, dtype, x_gather, num_loras, with_map):
+    case = make_gather_case(rng, dtype=dtype, num_loras=num_loras, x_gather=x_gather,
+                            row_adapter=with_map)
+    _check(case, case.run(impl), impl)
+
+
+@x_gathers
+@impls
+def test_gather_reads_uint32_indices_as_int32(rng, impl, x_gather):
+    """uint32 ids >= 2**31 are negative as int32: skipped; the rest as int32."""
+    case = make_gather_case(rng, num_loras=4, x_gather=x_gather, index_dtype=np.uint32)
+    idx = case.ids["indices"]
+    assert idx.dtype == np.uint32 and (idx >= 2**31).any() and (idx < case.route.n_experts).any()
+    out = case.run(impl)
+    _check(case, out, impl)
+    as_int32 = case.run(impl, indices=idx.view(np.int32))
+    np.testing.assert_array_equal(bits(out), bits(as_int32))
+
+
+@dtypes
+@impls
+def test_router_one_entry_route_folds_every_mapped_row(rng, impl, dtype):
+    """SPEC §3: the router pair is expert 0 of a one-entry route, k_in = hidden,
+    n_out = num_experts, folded with all-zero indices, top_k=1, x_gather=0."""
+    route = make_route(rng, dtype=dtype, n_experts=1, k_in=64, n_out=16, unadapted=0.0)
+    T = 20
+    case = make_gather_case(rng, route=route, top_k=1, num_tokens=T, x_gather=0,
+                            indices=np.zeros(T, np.int32), row_adapter=True)
+    np.testing.assert_array_equal(case.fold_rows, case.row_adapter >= 0)
+    _check(case, case.run(impl), impl)
+
+
+@impls
+def test_single_adapter_route_folds_any_nonnegative_value_with_row_0(rng, impl):
+    """L == 1 (single-active): every row-adapter value >= 0 selects table row 0."""
+    case = make_gather_case(rng, num_loras=1, x_gather=1, row_adapter=False)
+    T = case.base_out.shape[0] // case.kw["top_k"]
+    big = rng.integers(0, 2**31 - 1, T).astype(np.int32)
+    big[:2] = [1, 2**31 - 1]
+    out = case.run(impl, row_adapter=big)
+    np.testing.assert_array_equal(bits(out), bits(case.run(impl)))
+    _check(case, out, impl)
+
+
+@impls
+def test_multi_adapter_route_skips_values_at_or_above_L(rng, impl):
+    """L > 1: a row-adapter value >= L folds nothing (its rows stay bit-identical)."""
+    L = 4
+    case = make_gather_case(rng, num_loras=L, x_gather=1, row_adapter=False)
+    assert case.fold_rows.any()  # with table row 0 these rows would fold
+    T = case.base_out.shape[0] // case.kw["top_k"]
+    ra = rng.integers(L, 2**31 - 1, T).astype(np.int32)
+    ra[0] = L
+    out = case.run(impl, row_adapter=ra)
+    np.testing.assert_array_equal(bits(out), bits(case.base_out))
+
+
+@impls
+def test_unadapted_experts_fold_nothing(rng, impl):
+    """A cell 0 in a_table or b_table (either, or both) means "not adapted",
+    even when the other cell names a real slot (pool slot 0 is NaN here)."""
+    route = make_route(rng, num_loras=2, n_experts=8, unadapted=1.0)
+    at, bt = np.asarray(route.a_table), np.asarray(route.b_table)
+    assert ((at == 0) & (bt > 0)).any() and ((at > 0) & (bt == 0)).any()
+    case = make_gather_case(rng, route=route, x_gather=0)
+    assert not case.fold_rows.any()
+    np.testing.assert_array_equal(bits(case.run(impl)), bits(case.base_out))
+
+
+@impls
+def test_table_cells_outside_the_pool_fold_nothing(rng, impl):
+    """A table cell naming a slot >= pool size is skipped, never read."""
+    route = make_route(rng, num_loras=2, out_of_pool=3, unadapted=0.1)
+    case = make_gather_case(rng, route=route, x_gather=1)
+    P = route.pool_size
+    cells = (np.asarray(route.a_table) >= P) | (np.asarray(route.b_table) >= P)
+    assert cells.sum() == 3
+    _check(case, case.run(impl), impl)
+
+
+@pytest.mark.parametrize("ranks,max_rank", [((8, 16), 24), ((8, 24, 64), 64), ((16,), 16)],
+                         ids=["8+16_in_24", "8+24+64_in_64", "16_in_16"])
+@impls
+def test_mixed_ranks_in_one_pool(rng, impl, ranks, max_rank):
+    """Adapters of different ranks share one pool, zero-padded to max_rank."""
+    case = make_gather_case(rng, num_loras=4, x_gather=1, ranks=ranks, max_rank=max_rank)
+    _check(case, case.run(impl), impl)
+
+
+# ------------------------------------------------------------------ grouped
+
+@maps
+@loras
+@x_gathers
+@dtypes
+@impls
+def test_grouped_fold_matches_reference(rng, impl, dtype, x_gather, num_loras, with_map):
+    case = make_grouped_case(rng, dtype=dtype, num_loras=num_loras, x_gather=x_gather,
+                             row_adapter=with_map)
+    _check(case, case.run(impl), impl)
+
+
+@pytest.mark.parametrize("split", [1, 37, 64, 129])
+@impls
+def test_grouped_windows_compose_bit_for_bit(rng, impl, split):
+    """Folding (0, a) then (a, te) equals one fold of (0, te), bit for bit."""
+    case = make_grouped_case(rng, num_loras=4, x_gather=1, rows_per_expert=30)
+    te = case.base_out.shape[0]
+    assert split < te
+    full = case.run(impl)
+    first = case.run(impl, row_offset=0, row_end=split)
+    both = case.run(impl, base_out=first, row_offset=split, row_end=te)
+    np.testing.assert_array_equal(bits(both), bits(full))
+    _check(case, full, impl)
+
+
+@pytest.mark.parametrize("window", [(23, 101), (64, 128), (0, 1)])
+@impls
+def test_grouped_window_folds_only_its_rows(rng, impl, window):
+    """Rows outside [row_offset, row_end) stay bit-identical; rows inside get
+    the same bits as in a fold of all rows."""
+    lo, hi = window
+    case = make_grouped_case(rng, num_loras=2, x_gather=0, rows_per_expert=20, lead=0)
+    te = case.base_out.shape[0]
+    inside = np.zeros(te, bool)
+    inside[lo:hi] = True
+    out = case.run(impl, row_offset=lo, row_end=hi)
+    np.testing.assert_array_equal(bits(out[~inside]), bits(case.base_out[~inside]))
+    np.testing.assert_array_equal(bits(out[inside]), bits(case.run(impl)[inside]))
+    fold = case.fold_rows & inside
+    if fold.any():
+        _check(case, out, impl, fold_rows=fold, ref=case.reference(row_offset=lo, row_end=hi))
+
+
+@impls
+def test_grouped_rows_outside_the_route_experts_spans_skip(rng, impl):
+    """expert_offsets may be longer than n_experts + 1: rows of experts >= E_t,
+    rows before offsets[0] and rows at or after offsets[-1] fold nothing."""
+    case = make_grouped_case(rng, num_loras=2, x_gather=1, extra_experts=4, lead=9, tail=11)
+    offs = case.ids["expert_offsets"]
+    E = case.route.n_experts
+    te = case.base_out.shape[0]
+    outside = np.zeros(te, bool)
+    outside[:offs[0]] = True
+    outside[offs[E]:] = True
+    assert offs[0] > 0 and offs[-1] < te and offs[-1] > offs[E]
+    out = case.run(impl)
+    np.testing.assert_array_equal(bits(out[outside]), bits(case.base_out[outside]))
+    _check(case, out, impl)
+
+
+@impls
+def test_grouped_empty_expert_spans(rng, impl):
+    """Experts with empty spans (the first included) own no rows; the rows of
+    the others are found across them."""
+    case = make_grouped_case(rng, num_loras=2, x_gather=1, n_experts=10, extra_experts=2,
+                             empty_spans=6, lead=0)
+    offs = case.ids["expert_offsets"]
+    assert (np.diff(offs) == 0).sum() >= 4
+    _check(case, case.run(impl), impl)
+
+
+@maps
+@x_gathers
+@impls
+def test_grouped_token_ids_out_of_range_skip_only_where_read(rng, impl, x_gather, with_map):
+    """A sorted_token_ids entry outside [0, num_tokens) skips its row when the
+    token is read (x_gather=1 or a row-adapter map); otherwise the row folds."""
+    T = 48
+    case = make_grouped_case(rng, num_loras=2, num_tokens=T, x_gather=x_gather,
+                             row_adapter=with_map, bad_tokens=0.3)
+    stid = case.ids["sorted_token_ids"]
+    bad = (stid < 0) | (stid >= T)
+    out = case.run(impl)
+    if x_gather or with_map:
+        np.testing.assert_array_equal(bits(out[bad]), bits(case.base_out[bad]))
+    else:
+        assert case.fold_rows[bad].sum() >= 3
+    _check(case, out, impl)
+
+
+# ------------------------------------------------------------ moe_lora_fold
+
+@maps
+@x_gathers
+@dtypes
+@pytest.mark.parametrize("impl", ["cpu", "jnp", "auto", *CUDA_IMPLS])
+def test_fold_gather_and_sorted_paths_give_the_same_bits(rng, impl, dtype, x_gather, with_map):
+    """moe_lora_fold: the gather fold and sort -> grouped fold -> unsort
+    (forced by gather_max_rows=0) give the same bits, matching the reference."""
+    case = make_gather_case(rng, op="fold", dtype=dtype, num_loras=4, x_gather=x_gather,
+                            row_adapter=with_map)
+    gathered = case.run(impl)
+    sorted_ = case.run(impl, gather_max_rows=0)
+    np.testing.assert_array_equal(bits(sorted_), bits(gathered))
+    _check(case, gathered, impl)
+
+
+@impls
+def test_fold_accepts_uint32_topk_ids(rng, impl):
+    case = make_gather_case(rng, op="fold", num_loras=2, x_gather=1, index_dtype=np.uint32)
+    assert (case.ids["topk_ids"] >= 2**31).any()
+    gathered = case.run(impl)
+    np.testing.assert_array_equal(bits(case.run(impl, gather_max_rows=0)), bits(gathered))
+    _check(case, gathered, impl)
+
+
+@pytest.mark.parametrize("op", ["gather", "grouped"])
+def test_auto_is_the_platform_default(rng, op):
+    """impl="auto" is "fast" on a GPU with the CUDA kernels, "cpu" on the CPU."""
+    assert concrete_impl("auto") == ("fast" if HAS_GPU else "cpu")
+    make = make_gather_case if op == "gather" else make_grouped_case
+    case = make(rng, num_loras=2, x_gather=1)
+    out = case.run("auto")
+    np.testing.assert_array_equal(bits(out), bits(case.run(concrete_impl("auto"))))
+    _check(case, out, "auto")
+
+
+# ---------------------------------------------------------------------- jit
+
+def _case(rng, op, **kw):
+    if op == "grouped":
+        return make_grouped_case(rng, **kw)
+    return make_gather_case(rng, op="fold" if op.startswith("fold") else "gather", **kw)
+
+
+@pytest.mark.parametrize("op", ["gather", "grouped", "fold_sorted"])
+@impls
+def test_jit_gives_the_eager_bits(rng, impl, op):
+    case = _case(rng, op, num_loras=4, x_gather=1)
+    over = {"gather_max_rows": 0} if op == "fold_sorted" else {}
+    jitted = case.run(impl, jit=True, **over)
+    np.testing.assert_array_equal(bits(jitted), bits(case.run(impl, jit=False, **over)))
+    _check(case, jitted, impl)
+
+
+@pytest.mark.parametrize("loop", ["scan", "fori_loop"])
+@pytest.mark.parametrize("op", ["gather", "grouped", "fold_sorted"])
+@impls
+def test_jitted_loop_over_layers_equals_layer_by_layer(rng, impl, op, loop):
+    """Several layers' routes stacked and folded in one jitted loop (the carry
+    is base_out) give the bits of folding layer by layer."""
+    n_layers, L, E = 3, 2, 6
+    common = dict(dtype=jnp.bfloat16, num_loras=L, n_experts=E, pool_size=L * E + 3,
+                  poison=False)
+    case = _case(rng, op, x_gather=1, **common)
+    routes = [case.route] + [make_route(rng, **common) for _ in range(n_layers - 1)]
+    xs = [case.x] + [rng.normal(size=case.x.shape).astype(case.dtype)
+                     for _ in range(n_layers - 1)]
+    over = {"gather_max_rows": 0} if op == "fold_sorted" else {}
+    fold = case.fn(impl, **over)
+
+    def layers(base, xs, routes, ids, ra):
+        def one(out, x, route):
+            return fold(x, out, *ids, route, ra)
+
+        if loop == "scan":
+            return jax.lax.scan(lambda out, layer: (one(out, *layer), None), base,
+                                (xs, routes))[0]
+        pick = lambda i, tree: jax.tree.map(lambda v: v[i], tree)  # noqa: E731
+        return jax.lax.fori_loop(0, n_layers, lambda i, out: one(out, pick(i, xs),
+                                                                 pick(i, routes)), base)
+
+    x0, base, *ids, _, ra = case.operands()
+    with on_platform(impl):
+        looped = np.asarray(jax.jit(layers)(*to_device((base, np.stack(xs), stack_routes(routes),
+                                                        ids, ra))))
+    want = base
+    for x, route in zip(xs, routes):
+        layer = case.run(impl, x=x, base_out=want, route=route, **over)
+        assert (bits(layer) != bits(want)).any(), "a layer folded nothing"
+        want = layer
+    np.testing.assert_array_equal(bits(looped), bits(want))
+
+
+# ----------------------------------------------------------------- in place
+
+def _param_copies(hlo: str, index: int) -> list[str]:
+    """Instructions of the entry computation copying parameter ``index``."""
+    m = re.search(rf"%(\S+) = \S+ parameter\({index}\)", hlo)
+    assert m, f"parameter({index}) not found in the HLO"
+    return re.findall(rf"^.*copy(?:-start)?\(%{re.escape(m.group(1))}\).*$", hlo, re.M)
+
+
+@pytest.mark.parametrize("op", ["gather", "grouped"])
+@pytest.mark.parametrize("impl", ["cpu", *CUDA_IMPLS])
+def test_donated_base_out_is_folded_in_place(rng, impl, op):
+    """With base_out donated, the compiled program has no copy of it: the
+    custom call's output aliases the parameter, which is the program's output."""
+    case = _case(rng, op, num_loras=2, x_gather=1)
+    fn = case.fn(impl)
+    with on_platform(impl):
+        args = to_device(case.operands())
+        kept = jax.jit(fn).lower(*args).compile().as_text()
+        donated = jax.jit(fn, donate_argnums=1).lower(*args).compile().as_text()
+        out = jax.jit(fn, donate_argnums=1)(*args)
+        assert args[1].is_deleted()
+    # without donation XLA must copy base_out: the check below can see a copy
+    assert _param_copies(kept, 1), "no copy of an undonated base_out: the HLO check is blind"
+    assert not _param_copies(donated, 1), _param_copies(donated, 1)
+    assert re.search(r"input_output_alias=\{ \{\}: \(1, \{\}", donated), donated[:400]
+    assert re.search(r"custom_call_target=\"moe_lora_\w+\".*output_to_operand_aliasing="
+                     r"\{\{0\}: \(1, \{\}\)\}", donated)
+    _check(case, np.asarray(out), impl)
+
+
+# --------------------------------------------------------------------- GPU
+
+@pytest.mark.parametrize("op", ["gather", "grouped"])
+@x_gathers
+@dtypes
+@pytest.mark.parametrize("impl", SEED_DESIGN_GPU)
+def test_gpu_matches_the_cpu_handlers(rng, impl, dtype, x_gather, op):
+    """The CUDA kernels equal the C++ CPU handlers within the seed tolerance
+    (bf16/f16: 2 ulp, 99 % within 1 ulp; f32: the delta norm criterion)."""
+    case = _case(rng, op, dtype=dtype, num_loras=4, x_gather=x_gather)
+    gpu, cpu = case.run(impl), case.run("cpu")
+    fold = case.fold_rows
+    np.testing.assert_array_equal(bits(gpu[~fold]), bits(cpu[~fold]))
+    if jnp.dtype(dtype) == jnp.float32:
+        assert delta_rel_error(gpu[fold], cpu[fold], case.base_out[fold]) <= DELTA_RTOL[
+            jnp.dtype(dtype)]
+    else:
+        assert_ulp_close(gpu[fold], cpu[fold], "GPU vs CPU handler")
+
+
+@pytest.mark.parametrize("op", ["gather", "grouped"])
+@pytest.mark.parametrize("dtype", DTYPES[:2], ids=DTYPE_IDS[:2])
+@pytest.mark.parametrize("impl", CUDA_IMPLS)
+def test_gpu_large_shapes_match_reference(rng, impl, dtype, op):
+    """Shapes that span many tiles: K=2048, N=768, rank up to 64, 512 gather
+    rows or ~4096 sorted rows."""
+    big = dict(dtype=dtype, num_loras=4, k_in=2048, n_out=768, ranks=(8, 16, 64),
+               max_rank=64, n_experts=16, x_gather=1)
+    if op == "gather":
+        case = make_gather_case(rng, top_k=8, num_tokens=64, **big)
+    else:
+        case = make_grouped_case(rng, num_tokens=1024, rows_per_expert=215, **big)
+    _check(case, case.run(impl), impl)
+
+
+@pytest.mark.parametrize("impl", CUDA_IMPLS)
+def test_cuda_graphs_on_and_off_give_the_same_bits(tmp_path, impl):
+    """A jitted multi-layer program run with CUDA graphs (the default) and in a
+    subprocess with XLA_FLAGS=--xla_gpu_enable_command_buffer= (graphs off)
+    gives identical bits. (XLA 0.11 forms command buffers after HLO, so the
+    compiled HLO text cannot show them; the custom calls declare
+    kCmdBufferCompatible and the program has enough of them in a row.)"""
+    seed = 1234
+    on = graph_program(seed, impl)
+    script = textwrap.dedent(f"""
+        import sys
+        import numpy as np
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from _fold_cases import graph_program
+        np.save({str(tmp_path / "off.npy")!r}, graph_program({seed}, {impl!r}))
+    """)
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    off = np.load(tmp_path / "off.npy")
+    np.testing.assert_array_equal(bits(off), bits(on))
