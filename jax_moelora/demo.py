@@ -1,0 +1,533 @@
+"""End-to-end demo: ``python -m jax_moelora demo``.
+
+A small Qwen3-MoE-shaped model (embedding, ``--layers`` MoE layers with
+RMSNorm and residual, tied LM head; the attention sublayers are left out:
+this library folds the MoE part) with seeded random base weights. Three LoRA
+adapters are drawn at random, written as real PEFT folders (three different
+key layouts) into a temporary folder, and loaded back into one adapter pool.
+A mixed batch of streams (base model + the three adapters) runs a prefill
+and ``--steps`` greedy decode steps through one jitted step function; every
+layer's output is checked against the pure-JAX folds (``impl="jnp"``) on the
+same layer input, with the tolerances of SPEC section 6.
+
+``--timing`` measures instead the decode-step time of a stack of
+Qwen3-30B-A3B-shaped MoE layers (``--size full``: E 128, top_k 8, hidden
+2048, inter 768; 4 layers, 4 adapters, T = 64 by default) with and without
+LoRA and prints the overhead in percent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_moelora import _ext
+from jax_moelora.nnx import AdapterPool, MoEBlock
+from jax_moelora.ops.folds import IMPLS, resolve_impl
+from jax_moelora.peft import load_peft_adapter, save_peft_adapter
+
+__all__ = ["ModelConfig", "DemoModel", "SIZES", "TOLERANCES", "add_arguments", "run"]
+
+#: Model shapes: "small" runs on a laptop CPU, "full" is Qwen3-30B-A3B's MoE.
+SIZES = {
+    "small": dict(hidden=256, inter=128, experts=16, top_k=4, vocab=512),
+    "full": dict(hidden=2048, inter=768, experts=128, top_k=8, vocab=4096),
+}
+
+#: SPEC section 6: relative error of the LoRA delta by norm, per dtype.
+TOLERANCES = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5}
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the demo model."""
+
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+    vocab: int
+    layers: int
+    max_loras: int = 4
+    max_rank: int = 16
+    dtype: str = "float32"
+
+
+class DemoModel(nnx.Module):
+    """Embedding -> ``layers`` x (RMSNorm -> :class:`MoEBlock` -> residual)
+    -> RMSNorm -> tied LM head. ``blocks`` and ``norms`` are ``nnx.List``\\ s;
+    a call runs every layer in one traced program."""
+
+    def __init__(self, cfg: ModelConfig, *, impl: str = "auto", expert_path: str = "auto",
+                 rngs: nnx.Rngs):
+        dt = _DTYPES[cfg.dtype]
+        self.cfg = cfg
+        self.embed = nnx.Embed(cfg.vocab, cfg.hidden, dtype=dt, param_dtype=dt, rngs=rngs)
+        self.norms = nnx.List([nnx.RMSNorm(cfg.hidden, dtype=dt, param_dtype=dt, rngs=rngs)
+                               for _ in range(cfg.layers)])
+        self.blocks = nnx.List([
+            MoEBlock(cfg.hidden, cfg.inter, cfg.experts, cfg.top_k, max_loras=cfg.max_loras,
+                     max_rank=cfg.max_rank, dtype=dt, impl=impl, expert_path=expert_path,
+                     rngs=rngs)
+            for _ in range(cfg.layers)])
+        self.final_norm = nnx.RMSNorm(cfg.hidden, dtype=dt, param_dtype=dt, rngs=rngs)
+
+    def layers(self, h: jax.Array, adapter_ids: jax.Array | None, *, impl: str | None = None,
+               use_lora: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``h [T, H]`` through every layer -> ``(h, block_inputs [L, T, H],
+        block_outputs [L, T, H])``."""
+        ins, outs = [], []
+        for norm, block in zip(self.norms, self.blocks):
+            z = norm(h)
+            o = block(z, adapter_ids, impl=impl, use_lora=use_lora)
+            ins.append(z)
+            outs.append(o)
+            h = h + o
+        return h, jnp.stack(ins), jnp.stack(outs)
+
+    def __call__(self, tokens: jax.Array, adapter_ids: jax.Array | None, *,
+                 impl: str | None = None, use_lora: bool = True):
+        """``tokens [T]`` -> ``(logits [T, V], block_inputs, block_outputs)``."""
+        h, ins, outs = self.layers(self.embed(tokens), adapter_ids, impl=impl, use_lora=use_lora)
+        return self.embed.attend(self.final_norm(h)), ins, outs
+
+
+# --------------------------------------------------------------------------
+# command line
+# --------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's options (``python -m jax_moelora demo --help``)."""
+    parser.add_argument("--size", choices=sorted(SIZES), default=None,
+                        help="model shape (default: small; full with --timing)")
+    parser.add_argument("--layers", type=int, default=4, help="MoE layers (default 4)")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="tokens per decode step: streams in the demo (default 8), "
+                             "T in --timing (default 64)")
+    parser.add_argument("--prompt-len", type=int, default=80,
+                        help="prompt tokens per stream (default 80: the prefill takes the "
+                             "sorted, grouped path)")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps (default 16)")
+    parser.add_argument("--impl", choices=IMPLS, default="auto", help="fold backend")
+    parser.add_argument("--dtype", choices=["auto", *_DTYPES], default="auto",
+                        help="activation dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    parser.add_argument("--expert-path", choices=["auto", "dense", "ragged"], default="auto",
+                        help="base expert matmuls (see MoEBlock)")
+    parser.add_argument("--rank", type=int, default=16, help="LoRA rank in --timing (16)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--timing", action="store_true",
+                        help="decode-step time with and without LoRA (GPU measurement)")
+    parser.add_argument("--repeats", type=int, default=20,
+                        help="timed runs per variant in --timing (median)")
+    parser.add_argument("--json", type=Path, default=None, help="write the results as JSON")
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def _dtype_name(args) -> str:
+    if args.dtype != "auto":
+        return args.dtype
+    return "bfloat16" if _ext.current_platform() == "gpu" else "float32"
+
+
+def _device() -> str:
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', d.platform)}"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo (or ``--timing``); 0 when every check passes."""
+    for name in ("layers", "steps", "prompt_len", "repeats", "rank"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.tokens is not None and args.tokens < 1:
+        raise SystemExit("--tokens must be >= 1")
+    try:
+        impl = resolve_impl(args.impl)
+    except ValueError as err:
+        raise SystemExit(f"--impl {args.impl}: {err}") from err
+    console = _console()
+    if args.timing:
+        return _run_timing(args, impl, console)
+    return _run_demo(args, impl, console)
+
+
+# --------------------------------------------------------------------------
+# adapters
+# --------------------------------------------------------------------------
+
+# name, layout, rank, alpha, use_rslora, rank_pattern, projections
+_ADAPTERS = (
+    ("support-bot", "experts", 8, 16.0, False, None, ("router", "gate", "up", "down")),
+    ("sql-writer", "target_parameters", 16, 16.0, True, None, ("router", "gate", "up", "down")),
+    ("poet", "gate_up", 4, 8.0, False, {"down_proj": 12}, ("gate", "up", "down")),
+)
+
+
+def _random_factors(rng: np.random.Generator, cfg: ModelConfig, rank: int, down_rank: int,
+                    projections, shared_a: bool) -> dict[int, dict[str, tuple]]:
+    """Unscaled PEFT factors ``{layer: {proj: (A [E, r, K], B [E, N, r])}}``."""
+    E, H, I = cfg.experts, cfg.hidden, cfg.inter
+
+    def pair(e, r, k, n):
+        return (rng.standard_normal((e, r, k), np.float32) / np.sqrt(k),
+                rng.standard_normal((e, n, r), np.float32) * 0.5 / np.sqrt(r))
+
+    out = {}
+    for layer in range(cfg.layers):
+        projs = {}
+        if "router" in projections:
+            a, b = pair(1, rank, H, E)
+            projs["router"] = (a, b)
+        projs["gate"] = pair(E, rank, H, I)
+        projs["up"] = pair(E, rank, H, I)
+        if shared_a:
+            projs["up"] = (projs["gate"][0], projs["up"][1])
+        projs["down"] = pair(E, down_rank, I, H)
+        out[layer] = projs
+    return out
+
+
+def _write_and_load(folder: Path, cfg: ModelConfig, seed: int):
+    """Write the three demo adapters as PEFT folders and read them back.
+
+    Returns ``[(adapter, layout, factors, scales)]``."""
+    rng = np.random.default_rng(seed + 1)
+    loaded = []
+    for name, layout, r, alpha, rslora, pattern, projections in _ADAPTERS:
+        down_r = (pattern or {}).get("down_proj", r)
+        factors = _random_factors(rng, cfg, r, down_r, projections,
+                                  shared_a=layout != "experts")
+        path = save_peft_adapter(folder / name, factors, r=r, lora_alpha=alpha, layout=layout,
+                                 use_rslora=rslora, rank_pattern=pattern,
+                                 base_model_name_or_path="demo/qwen3-moe-shaped")
+        adapter = load_peft_adapter(path, num_experts=cfg.experts, hidden_size=cfg.hidden,
+                                    intermediate_size=cfg.inter)
+
+        def scale(rank):
+            return alpha / np.sqrt(rank) if rslora else alpha / rank
+
+        scales = {p: scale(down_r if p == "down" else r) for p in projections}
+        loaded.append((adapter, layout, factors, scales))
+    return loaded
+
+
+def _roundtrip_error(adapter, factors, scales) -> float:
+    """Max relative error of the loaded dense deltas against the written factors."""
+    worst = 0.0
+    for layer, projs in factors.items():
+        for proj, (a, b) in projs.items():
+            lora = adapter.layers[layer][proj]
+            got = np.einsum("enr,erk->enk", lora.b * lora.scale[:, None, None], lora.a)
+            ref = scales[proj] * np.einsum("enr,erk->enk", b, a)
+            err = np.abs(got - ref).max() / max(float(np.abs(ref).max()), 1e-30)
+            worst = max(worst, float(err))
+    return worst
+
+
+# --------------------------------------------------------------------------
+# the demo
+# --------------------------------------------------------------------------
+
+def _jit_step(graphdef, impl: str):
+    """The one jitted step function (prefill and every decode step)."""
+
+    def step(state, tokens, adapter_ids):
+        model = nnx.merge(graphdef, state)
+        logits, ins, outs = model(tokens, adapter_ids, impl=impl)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), ins, outs
+
+    return jax.jit(step)
+
+
+def _jit_reference(graphdef):
+    """One layer again on the same input: pure-JAX folds, and no LoRA (every
+    block has the same structure, so one program serves all layers)."""
+
+    def ref(state, z, adapter_ids):
+        block = nnx.merge(graphdef, state)
+        return block(z, adapter_ids, impl="jnp"), block(z, adapter_ids, use_lora=False)
+
+    return jax.jit(ref)
+
+
+def _reference(model: "DemoModel", ins: jax.Array, adapter_ids) -> tuple[jax.Array, jax.Array]:
+    """``(with_lora, base)`` ``[L, T, H]``: every layer on its recorded input."""
+    graphdef, _ = nnx.split(model.blocks[0])
+    fn = _REF_CACHE.setdefault(graphdef, _jit_reference(graphdef))
+    pairs = [fn(nnx.state(block), z, adapter_ids) for block, z in zip(model.blocks, ins)]
+    return jnp.stack([p[0] for p in pairs]), jnp.stack([p[1] for p in pairs])
+
+
+_REF_CACHE: dict[Any, Callable] = {}
+
+
+@dataclasses.dataclass
+class _Check:
+    num: float = 0.0  # worst ||out - ref|| / ||ref - base|| over calls and layers
+    max_abs: float = 0.0
+    base_bitwise: bool = True
+    finite: bool = True
+
+    def update(self, outs, ref, base, ids) -> None:
+        outs, ref, base = (np.asarray(v, np.float64) for v in (outs, ref, base))
+        self.finite &= bool(np.isfinite(outs).all())
+        adapted, plain = ids >= 0, ids < 0
+        if plain.any():
+            self.base_bitwise &= bool(np.array_equal(outs[:, plain], base[:, plain]))
+        if adapted.any():
+            for lay in range(outs.shape[0]):
+                o, r, b = outs[lay, adapted], ref[lay, adapted], base[lay, adapted]
+                denom = np.linalg.norm(r - b)
+                rel = np.linalg.norm(o - r) / denom if denom > 0 else np.linalg.norm(o - r)
+                self.num = max(self.num, float(rel))
+                self.max_abs = max(self.max_abs, float(np.abs(o - r).max()))
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def _run_demo(args, impl: str, console) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    size = args.size or "small"
+    dtype = _dtype_name(args)
+    cfg = ModelConfig(**SIZES[size], layers=args.layers, dtype=dtype)
+    streams = args.tokens or 8
+    plen, steps = args.prompt_len, args.steps
+    console.print(f"[bold]jax_moelora demo[/bold]: {size} Qwen3-MoE-shaped model, "
+                  f"{cfg.layers} layers, E {cfg.experts}, top_k {cfg.top_k}, hidden "
+                  f"{cfg.hidden}, inter {cfg.inter}, {dtype}; impl {impl} on {_device()}")
+    t_start = time.perf_counter()
+    progress = Progress(TextColumn("{task.description:<30}"), BarColumn(),
+                        TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                        console=console)
+    with progress, tempfile.TemporaryDirectory(prefix="jax_moelora_demo_") as tmp:
+        task = progress.add_task("build model", total=1)
+        model = DemoModel(cfg, impl=impl, expert_path=args.expert_path,
+                          rngs=nnx.Rngs(args.seed))
+        progress.advance(task)
+
+        task = progress.add_task("write + load PEFT adapters", total=len(_ADAPTERS))
+        pool = AdapterPool(list(model.blocks))
+        adapters = []
+        roundtrip = 0.0
+        for adapter, layout, factors, scales in _write_and_load(Path(tmp), cfg, args.seed):
+            roundtrip = max(roundtrip, _roundtrip_error(adapter, factors, scales))
+            slot = pool.load(Path(tmp) / adapter.name)
+            adapters.append((adapter.name, layout, slot, adapter.max_rank, adapter.projections))
+            progress.advance(task)
+
+        # the mixed batch: stream i uses the base model, then each adapter in turn
+        names = [None] + [a[0] for a in adapters]
+        stream_ids = pool.ids([names[i % len(names)] for i in range(streams)])
+        rng = np.random.default_rng(args.seed + 2)
+        prompts = rng.integers(0, cfg.vocab, (streams, plen), dtype=np.int32)
+        prefill_ids = np.repeat(stream_ids, plen)  # per-token map of the packed batch
+
+        graphdef, state = nnx.split(model)
+        step = _jit_step(graphdef, impl)
+        task = progress.add_task("compile (prefill + decode)", total=2)
+        t0 = time.perf_counter()
+        jax.block_until_ready(step(state, prompts.reshape(-1), prefill_ids))
+        progress.advance(task)
+        jax.block_until_ready(step(state, prompts[:, -1], stream_ids))
+        progress.advance(task)
+        compile_s = time.perf_counter() - t0
+
+        task = progress.add_task(f"prefill ({streams} x {plen} tokens)", total=1)
+        t0 = time.perf_counter()
+        nxt, ins, outs = jax.block_until_ready(step(state, prompts.reshape(-1), prefill_ids))
+        prefill_s = time.perf_counter() - t0
+        calls = [(ins, outs, prefill_ids)]
+        tokens = np.asarray(nxt).reshape(streams, plen)[:, -1]
+        generated = [tokens]
+        progress.advance(task)
+
+        task = progress.add_task(f"decode ({streams} streams)", total=steps)
+        step_s = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            nxt, ins, outs = jax.block_until_ready(step(state, tokens, stream_ids))
+            step_s.append(time.perf_counter() - t0)
+            calls.append((ins, outs, stream_ids))
+            tokens = np.asarray(nxt)
+            generated.append(tokens)
+            progress.advance(task)
+
+        task = progress.add_task("check vs impl='jnp'", total=len(calls))
+        check = _Check()
+        for ins, outs, ids in calls:
+            ref, base = _reference(model, ins, ids)
+            check.update(outs, ref, base, np.asarray(ids))
+            progress.advance(task)
+    total_s = time.perf_counter() - t_start
+
+    tol = TOLERANCES[dtype]
+    ok_num = check.num <= tol and check.finite
+    ok_rt = roundtrip <= 1e-5
+    passed = ok_num and check.base_bitwise and ok_rt
+    gen = np.stack(generated, axis=1)
+
+    table = Table(title="jax_moelora demo summary", show_header=True, header_style="bold")
+    table.add_column("item")
+    table.add_column("value")
+    table.add_row("backend", f"{jax.default_backend()} ({_device()}), "
+                             f"cuda kernels: {_ext.HAS_CUDA}")
+    table.add_row("impl used", f"{impl} (requested {args.impl}); expert path "
+                               f"{args.expert_path}")
+    table.add_row("model", f"{cfg.layers} layers, E {cfg.experts}, top_k {cfg.top_k}, hidden "
+                           f"{cfg.hidden}, inter {cfg.inter}, vocab {cfg.vocab}, {dtype}")
+    for name, layout, slot, rank, projs in adapters:
+        table.add_row(f"adapter slot {slot}", f"{name}: PEFT layout {layout}, rank <= {rank}, "
+                                              f"{'/'.join(projs)}")
+    table.add_row("batch", f"{streams} streams: "
+                           + ", ".join(str(n or 'base') for n in
+                                       (names[i % len(names)] for i in range(streams))))
+    table.add_row("compile", _ms(compile_s))
+    table.add_row("prefill", f"{_ms(prefill_s)} ({streams * plen} tokens, "
+                             f"{streams * plen * cfg.top_k} rows: "
+                             f"{'grouped' if streams * plen * cfg.top_k > 2048 else 'gather'})")
+    table.add_row("decode step", f"{_ms(statistics.median(step_s))} median, "
+                                 f"{_ms(min(step_s))} min over {steps} steps")
+    table.add_row("max error vs jnp", f"{check.num:.2e} (delta-relative, tol {tol:g}), "
+                                      f"{check.max_abs:.2e} abs")
+    table.add_row("base tokens bit-identical", str(check.base_bitwise))
+    table.add_row("PEFT round-trip error", f"{roundtrip:.2e}")
+    table.add_row("generated (stream 0..3)",
+                  "; ".join(" ".join(map(str, g[:6])) + " ..." for g in gen[:4]))
+    table.add_row("wall time", f"{total_s:.1f} s")
+    table.add_row("result", "[green]PASS[/green]" if passed else "[red]FAIL[/red]")
+    console.print(table)
+    if args.json:
+        args.json.write_text(json.dumps(dict(
+            mode="demo", backend=jax.default_backend(), device=_device(), impl=impl,
+            dtype=dtype, config=dataclasses.asdict(cfg), streams=streams, prompt_len=plen,
+            steps=steps, compile_s=compile_s, prefill_s=prefill_s, decode_step_s=step_s,
+            max_rel_error=check.num, max_abs_error=check.max_abs, tolerance=tol,
+            base_bitwise=check.base_bitwise, roundtrip_error=roundtrip, passed=passed,
+            adapters=[dict(name=n, layout=l, slot=s, rank=r) for n, l, s, r, _ in adapters]),
+            indent=2))
+    return 0 if passed else 1
+
+
+# --------------------------------------------------------------------------
+# --timing
+# --------------------------------------------------------------------------
+
+def _install_random_adapters(model: DemoModel, rank: int, seed: int) -> None:
+    """Fill every slot of every layer with random factors, on the device."""
+    key = jax.random.key(seed + 7)
+    for block in model.blocks:
+        for proj_name in ("router", "gate", "up", "down"):
+            proj = getattr(block.lora, proj_name)
+            for slot in range(proj.max_loras):
+                key, ka, kb = jax.random.split(key, 3)
+                E, K, N = proj.n_experts, proj.k_in, proj.n_out
+                a = jax.random.normal(ka, (E, rank, K), jnp.float32) / np.sqrt(K)
+                b = jax.random.normal(kb, (E, N, rank), jnp.float32) * 0.5 / np.sqrt(rank)
+                proj.write_slot(slot, a, b, np.ones(E, np.float32), np.ones(E, bool))
+
+
+def _timed_loop(graphdef, impl: str, use_lora: bool, steps: int) -> Callable:
+    """``steps`` decode steps of the layer stack in one program (output fed back)."""
+
+    def run_steps(state, h, ids):
+        model = nnx.merge(graphdef, state)
+
+        def body(_, h):
+            out, _, _ = model.layers(h, ids, impl=impl, use_lora=use_lora)
+            return out.astype(h.dtype)
+
+        return jax.lax.fori_loop(0, steps, body, h)
+
+    return jax.jit(run_steps)
+
+
+def _run_timing(args, impl: str, console) -> int:
+    from rich.table import Table
+
+    size = args.size or "full"
+    dtype = _dtype_name(args)
+    T = args.tokens or 64
+    cfg = ModelConfig(**SIZES[size], layers=args.layers, dtype=dtype, max_loras=4,
+                      max_rank=args.rank)
+    inner = args.steps
+    console.print(f"[bold]jax_moelora decode timing[/bold]: {cfg.layers} x MoE layer (E "
+                  f"{cfg.experts}, top_k {cfg.top_k}, hidden {cfg.hidden}, inter {cfg.inter}), "
+                  f"T {T}, rank {args.rank}, 4 adapters, {dtype}, impl {impl}, expert path "
+                  f"{args.expert_path} on {_device()}")
+    model = DemoModel(cfg, impl=impl, expert_path=args.expert_path, rngs=nnx.Rngs(args.seed))
+    _install_random_adapters(model, args.rank, args.seed)
+    graphdef, state = nnx.split(model)
+    h = jax.random.normal(jax.random.key(args.seed + 3), (T, cfg.hidden), jnp.float32)
+    h = h.astype(_DTYPES[dtype])
+    spread = jnp.arange(T, dtype=jnp.int32) % cfg.max_loras
+    variants = [
+        ("base model (no LoRA ops)", False, spread),
+        ("LoRA state, all tokens base (-1)", True, jnp.full((T,), -1, jnp.int32)),
+        ("LoRA, 4 adapters over T tokens", True, spread),
+    ]
+    fns, times = {}, {}
+    for label, use_lora, ids in variants:
+        fns[label] = _timed_loop(graphdef, impl, use_lora, inner)
+        t0 = time.perf_counter()
+        jax.block_until_ready(fns[label](state, h, ids))
+        times[label] = []
+        console.print(f"  compiled {label} ({time.perf_counter() - t0:.1f} s)")
+    for _ in range(args.repeats):  # round robin, so drifts hit every variant alike
+        for label, _, ids in variants:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fns[label](state, h, ids))
+            times[label].append((time.perf_counter() - t0) / inner)
+    results = {label: dict(step_s=statistics.median(t), min_s=min(t))
+               for label, t in times.items()}
+    base = results[variants[0][0]]["step_s"]
+    table = Table(title=f"decode step, {cfg.layers} layers, T = {T} (median of {args.repeats} "
+                        f"runs of {inner} steps)", header_style="bold")
+    for col in ("variant", "time / step", "min", "overhead vs base"):
+        table.add_column(col)
+    for label, r in results.items():
+        table.add_row(label, _ms(r["step_s"]), _ms(r["min_s"]),
+                      f"{100.0 * (r['step_s'] - base) / base:+.1f} %")
+    console.print(table)
+    lora = results[variants[2][0]]["step_s"]
+    console.print(f"LoRA overhead: {100.0 * (lora - base) / base:+.1f} % "
+                  f"({_ms(base)} -> {_ms(lora)} per decode step)")
+    if args.json:
+        args.json.write_text(json.dumps(dict(
+            mode="timing", backend=jax.default_backend(), device=_device(), impl=impl,
+            dtype=dtype, tokens=T, rank=args.rank, config=dataclasses.asdict(cfg),
+            expert_path=args.expert_path, steps_per_run=inner, repeats=args.repeats,
+            results=results, overhead_percent=100.0 * (lora - base) / base), indent=2))
+    return 0
+
+
+def _main(argv: list[str] | None = None) -> int:  # pragma: no cover - convenience
+    parser = argparse.ArgumentParser(prog="python -m jax_moelora.demo", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(_main())

@@ -1,0 +1,381 @@
+"""PEFT adapter files for MoE layers: every layout round-trips, every reject names its key.
+
+The files are real PEFT folders written with ``safetensors`` (through
+``save_peft_adapter``, or key by key with ``safetensors.numpy.save_file`` for
+the layouts and faults the writer does not produce).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jax_moelora.peft import (
+    CONFIG_NAME,
+    LAYOUTS,
+    WEIGHTS_NAME,
+    AdapterFormatError,
+    load_peft_adapter,
+    save_peft_adapter,
+)
+
+E, H, I = 4, 24, 8  # experts, hidden, inter: H, I and 2 * I all differ
+DIMS = dict(num_experts=E, hidden_size=H, intermediate_size=I)
+
+
+def factors(rng, *, r=4, down_r=None, layers=2, router=True, shared_a=True):
+    """Unscaled factors ``{layer: {proj: (A [E, r, K], B [E, N, r])}}``."""
+    down_r = r if down_r is None else down_r
+
+    def pair(e, rank, k, n):
+        return (rng.standard_normal((e, rank, k)).astype(np.float32),
+                rng.standard_normal((e, n, rank)).astype(np.float32))
+
+    out = {}
+    for layer in range(layers):
+        p = {"gate": pair(E, r, H, I), "up": pair(E, r, H, I), "down": pair(E, down_r, I, H)}
+        if shared_a:
+            p["up"] = (p["gate"][0], p["up"][1])
+        if router:
+            p["router"] = pair(1, r, H, E)
+        out[layer] = p
+    return out
+
+
+def assert_matches(adapter, weights, scales, atol=1e-5):
+    """Every loaded pair reproduces ``scale * B @ A`` of the written factors."""
+    for layer, projs in weights.items():
+        assert set(projs) <= set(adapter.layers[layer])
+        for proj, (a, b) in projs.items():
+            lora = adapter.layers[layer][proj]
+            assert lora.present.all()
+            assert lora.max_rank % 8 == 0
+            for e in range(a.shape[0]):
+                ref = scales[proj] * (b[e].astype(np.float64) @ a[e].astype(np.float64))
+                np.testing.assert_allclose(lora.delta(e), ref, atol=atol * np.abs(ref).max())
+                r = a.shape[1]
+                assert not lora.a[e, r:].any() and not lora.b[e, :, r:].any()  # zero padding
+
+
+def write_raw(folder, tensors, config):
+    """A PEFT folder written key by key."""
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+              str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    (folder / CONFIG_NAME).write_text(json.dumps(config))
+    return folder
+
+
+# --------------------------------------------------------------------------
+# round trips
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_round_trips(tmp_path, layout):
+    rng = np.random.default_rng(hash(layout) % 2**32)
+    w = factors(rng, r=4)
+    save_peft_adapter(tmp_path / layout, w, r=4, lora_alpha=8, layout=layout)
+    ad = load_peft_adapter(tmp_path / layout, **DIMS)
+    assert ad.name == layout and ad.num_layers == 2 and ad.num_experts == E
+    assert ad.projections == ("router", "gate", "up", "down")
+    assert ad.max_rank == 8  # rank 4 padded to a multiple of 8
+    assert_matches(ad, w, {p: 8 / 4 for p in ("router", "gate", "up", "down")})
+
+
+@pytest.mark.parametrize("layout", ["experts", "gate_up", "target_parameters",
+                                    "target_parameters_3d"])
+def test_round_trip_without_model_widths(tmp_path, layout):
+    w = factors(np.random.default_rng(1), r=8)
+    save_peft_adapter(tmp_path, w, r=8, lora_alpha=4, layout=layout)
+    assert_matches(load_peft_adapter(tmp_path), w, {p: 0.5 for p in w[0]})
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float64])
+def test_float_dtypes_load(tmp_path, dtype):
+    w = factors(np.random.default_rng(2), r=4, layers=1)
+    save_peft_adapter(tmp_path, w, r=4, lora_alpha=4, dtype=dtype)
+    ad = load_peft_adapter(tmp_path, **DIMS)
+    assert ad.dtype == np.dtype(dtype)
+    rounded = {0: {p: tuple(np.asarray(v, np.float32).astype(dtype).astype(np.float32)
+                            for v in ab) for p, ab in w[0].items()}}
+    assert_matches(ad, rounded, {p: 1.0 for p in w[0]})
+
+
+def test_rslora_scale_is_alpha_over_sqrt_r(tmp_path):
+    w = factors(np.random.default_rng(3), r=16, layers=1)
+    save_peft_adapter(tmp_path, w, r=16, lora_alpha=8, use_rslora=True)
+    ad = load_peft_adapter(tmp_path, **DIMS)
+    np.testing.assert_allclose(ad.layers[0]["gate"].scale, 8 / math.sqrt(16))
+    assert_matches(ad, w, {p: 2.0 for p in w[0]})
+
+
+def test_rank_and_alpha_patterns(tmp_path):
+    """rank_pattern gives down rank 12 (padded to 16); alpha_pattern one expert's alpha."""
+    w = factors(np.random.default_rng(4), r=4, down_r=12, layers=1, shared_a=False)
+    save_peft_adapter(tmp_path, w, r=4, lora_alpha=8, rank_pattern={"down_proj": 12},
+                      alpha_pattern={r"experts\.1\.gate_proj": 32})
+    ad = load_peft_adapter(tmp_path, **DIMS)
+    down, gate = ad.layers[0]["down"], ad.layers[0]["gate"]
+    assert down.max_rank == 16 and (down.ranks == 12).all()
+    np.testing.assert_allclose(down.scale, 8 / 12)
+    np.testing.assert_allclose(gate.scale, [2, 8, 2, 2])  # alpha 32 / r 4 on expert 1
+    assert_matches(ad, {0: {"down": w[0]["down"], "up": w[0]["up"]}}, {"down": 8 / 12, "up": 2})
+
+
+def test_rank_pattern_for_target_parameters(tmp_path):
+    """PEFT's per-expert rank of a target parameter: lora_A has E * r rows."""
+    w = factors(np.random.default_rng(5), r=2, down_r=4, layers=1, router=False)
+    save_peft_adapter(tmp_path, w, r=4, lora_alpha=8, layout="target_parameters",
+                      rank_pattern={"experts.gate_up_proj": 2})
+    ad = load_peft_adapter(tmp_path, **DIMS)
+    assert (ad.layers[0]["gate"].ranks == 2).all() and (ad.layers[0]["down"].ranks == 4).all()
+    assert_matches(ad, w, {"gate": 4.0, "up": 4.0, "down": 2.0})
+
+
+def test_target_parameters_key_layout_is_peft_s(tmp_path):
+    """lora_A [E * r, in] expert-major rows, lora_B [out, E * r] rank-major columns;
+    gate_up_proj (listed first) is the inner wrapper: experts.base_layer."""
+    w = factors(np.random.default_rng(6), r=4, layers=1, router=False)
+    save_peft_adapter(tmp_path, w, r=4, lora_alpha=4, layout="target_parameters")
+    t = load_file(str(tmp_path / WEIGHTS_NAME))
+    pre = "base_model.model.model.layers.0.mlp.experts"
+    a_gu, b_gu = t[f"{pre}.base_layer.lora_A.weight"], t[f"{pre}.base_layer.lora_B.weight"]
+    assert a_gu.shape == (E * 4, H) and b_gu.shape == (2 * I, E * 4)
+    assert t[f"{pre}.lora_A.weight"].shape == (E * 4, I)
+    assert t[f"{pre}.lora_B.weight"].shape == (H, E * 4)
+    cfg = json.loads((tmp_path / CONFIG_NAME).read_text())
+    assert cfg["target_parameters"] == ["experts.gate_up_proj", "experts.down_proj"]
+    # PEFT's delta: einsum("o r e, e r i -> e i o", B.reshape(out, r, E), A.reshape(E, r, in))
+    delta = np.einsum("ore,eri->eio", b_gu.reshape(2 * I, 4, E), a_gu.reshape(E, 4, H))
+    a, bg = w[0]["gate"]
+    np.testing.assert_allclose(delta[2, :, :I], (bg[2] @ a[2]).T, rtol=1e-5, atol=1e-5)
+
+
+def test_nested_order_follows_config(tmp_path):
+    """target_parameters listed the other way round: down_proj is the inner wrapper."""
+    w = factors(np.random.default_rng(7), r=4, layers=1, router=False)
+    save_peft_adapter(tmp_path / "a", w, r=4, lora_alpha=4, layout="target_parameters")
+    t = load_file(str(tmp_path / "a" / WEIGHTS_NAME))
+
+    def swap(k):  # experts.base_layer.* <-> experts.*
+        k = k.replace("experts.base_layer.", "experts.X.").replace("experts.lora",
+                                                                  "experts.base_layer.lora")
+        return k.replace("experts.X.", "experts.")
+
+    swapped = {swap(k): v for k, v in t.items()}
+    cfg = json.loads((tmp_path / "a" / CONFIG_NAME).read_text())
+    cfg["target_parameters"] = ["experts.down_proj", "experts.gate_up_proj"]
+    write_raw(tmp_path / "b", swapped, cfg)
+    for kw in ({}, DIMS):
+        assert_matches(load_peft_adapter(tmp_path / "b", **kw), w, {p: 1.0 for p in w[0]})
+    # an order that contradicts the shapes: with the model's widths, shapes decide
+    cfg["target_parameters"] = ["experts.gate_up_proj", "experts.down_proj"]
+    write_raw(tmp_path / "c", swapped, cfg)
+    assert_matches(load_peft_adapter(tmp_path / "c", **DIMS), w, {p: 1.0 for p in w[0]})
+
+
+def test_interleaved_gate_up(tmp_path):
+    w = factors(np.random.default_rng(8), r=4, layers=1)
+    save_peft_adapter(tmp_path, w, r=4, lora_alpha=4, layout="target_parameters",
+                      gate_up_split="interleaved")
+    assert_matches(load_peft_adapter(tmp_path, gate_up_split="interleaved", **DIMS), w,
+                   {p: 1.0 for p in w[0]})
+
+
+@pytest.mark.parametrize("prefix,block,names,adapter", [
+    ("", "mlp", ("gate_proj", "up_proj", "down_proj"), ""),
+    ("base_model.model.model.language_model.", "mlp", ("gate_proj", "up_proj", "down_proj"),
+     ".default"),
+    ("model.", "block_sparse_moe", ("w1", "w3", "w2"), ""),
+])
+def test_key_spellings(tmp_path, prefix, block, names, adapter):
+    """Any prefix before .layers., the adapter name in the key, Mixtral's w1/w3/w2;
+    keys outside the MoE layers are skipped and listed."""
+    w = factors(np.random.default_rng(9), r=4, layers=1, shared_a=False)
+    t = {}
+    for proj, name in zip(("gate", "up", "down"), names):
+        a, b = w[0][proj]
+        for e in range(E):
+            base = f"{prefix}layers.0.{block}.experts.{e}.{name}"
+            t[f"{base}.lora_A{adapter}.weight"] = a[e]
+            t[f"{base}.lora_B{adapter}.weight"] = b[e]
+    a, b = w[0]["router"]
+    t[f"{prefix}layers.0.{block}.gate.lora_A{adapter}.weight"] = a[0]
+    t[f"{prefix}layers.0.{block}.gate.lora_B{adapter}.weight"] = b[0]
+    extra = {f"{prefix}layers.0.self_attn.q_proj.lora_A.weight": np.ones((4, H), np.float32),
+             f"{prefix}layers.0.mlp.shared_expert.gate_proj.lora_A.weight": np.ones((4, H),
+                                                                                   np.float32),
+             f"{prefix}embed_tokens.weight": np.ones((3, H), np.float32)}
+    write_raw(tmp_path, t | extra, {"peft_type": "LORA", "r": 4, "lora_alpha": 4})
+    ad = load_peft_adapter(tmp_path, **DIMS)
+    assert set(ad.skipped_keys) == set(extra)
+    assert_matches(ad, w, {p: 1.0 for p in w[0]})
+
+
+def test_partial_experts_and_layers(tmp_path):
+    """Only some experts and layers adapted: the rest is absent, not zero-filled pairs."""
+    rng = np.random.default_rng(10)
+    a, b = (rng.standard_normal(s).astype(np.float32) for s in ((4, H), (I, 4)))
+    t = {"m.layers.3.mlp.experts.2.gate_proj.lora_A.weight": a,
+         "m.layers.3.mlp.experts.2.gate_proj.lora_B.weight": b}
+    write_raw(tmp_path, t, {"r": 4, "lora_alpha": 8})
+    ad = load_peft_adapter(tmp_path)
+    assert list(ad.layers) == [3] and list(ad.layers[3]) == ["gate"]
+    gate = ad.layers[3]["gate"]
+    assert gate.n_experts == 3 and gate.present.tolist() == [False, False, True]
+    np.testing.assert_allclose(gate.delta(2), 2 * b.astype(np.float64) @ a, rtol=1e-12)
+    assert not gate.delta(0).any()
+    assert load_peft_adapter(tmp_path, num_experts=E).layers[3]["gate"].n_experts == E
+
+
+# --------------------------------------------------------------------------
+# rejects
+# --------------------------------------------------------------------------
+
+def _good(tmp_path, router=True, **kw):
+    w = factors(np.random.default_rng(11), r=4, layers=1, router=router)
+    return save_peft_adapter(tmp_path / "good", w, r=4, lora_alpha=4, **kw)
+
+
+def _rewrite(src, dst, *, tensors=None, config=None):
+    t = load_file(str(src / WEIGHTS_NAME))
+    cfg = json.loads((src / CONFIG_NAME).read_text())
+    return write_raw(dst, tensors(t) if tensors else t, config(cfg) if config else cfg)
+
+
+def _raises(path, match, **kw):
+    with pytest.raises(AdapterFormatError, match=match):
+        load_peft_adapter(path, **kw)
+
+
+def test_reject_expert_id_out_of_range(tmp_path):
+    good = _good(tmp_path)
+    _raises(good, r"expert id out of range: key '.*experts\.3\.\w+_proj\.lora_A\.weight' "
+                  r"adapts expert 3, the model has 3 experts", num_experts=3)
+
+
+def test_reject_expert_count_of_target_parameters(tmp_path):
+    good = _good(tmp_path, router=False, layout="target_parameters")
+    _raises(good, r"shape mismatch: key '.*experts(\.base_layer)?\.lora_A\.weight' holds 4 experts",
+            num_experts=8)
+
+
+def test_reject_unknown_projection(tmp_path):
+    good = _good(tmp_path)
+    bad = _rewrite(good, tmp_path / "bad", tensors=lambda t: {
+        k.replace("experts.1.up_proj", "experts.1.foo_proj"): v for k, v in t.items()})
+    _raises(bad, r"unknown projection: key '.*experts\.1\.foo_proj\.lora_A\.weight'")
+
+
+def test_reject_unknown_target_parameter(tmp_path):
+    good = _good(tmp_path, layout="target_parameters")
+    bad = _rewrite(good, tmp_path / "bad", config=lambda c: c | {
+        "target_parameters": ["experts.gate_up_proj", "experts.bogus_proj"]})
+    _raises(bad, r"unknown projection: target_parameters entry 'experts\.bogus_proj'")
+
+
+def test_reject_target_pair_without_target_parameters(tmp_path):
+    good = _good(tmp_path, layout="target_parameters")
+    bad = _rewrite(good, tmp_path / "bad", config=lambda c: c | {"target_parameters": None})
+    _raises(bad, r"key '.*experts\..*lora_A\.weight' is a target_parameters LoRA pair")
+
+
+def test_reject_shape_mismatch_with_the_model(tmp_path):
+    good = _good(tmp_path)
+    _raises(good, r"shape mismatch: down key '.*experts\.0\.down_proj\.lora_B\.weight' writes "
+                  r"24 outputs, the model's down projection writes 32",
+            num_experts=E, hidden_size=32, intermediate_size=I)
+    _raises(good, r"shape mismatch: down key '.*experts\.0\.down_proj\.lora_A\.weight' reads 8 "
+                  r"inputs, the model's down projection reads 16",
+            num_experts=E, hidden_size=H, intermediate_size=16)
+    _raises(good, r"shape mismatch: router key '.*mlp\.gate\.lora_B\.weight' has 4 outputs",
+            num_experts=5)
+
+
+def test_reject_experts_of_different_widths(tmp_path):
+    good = _good(tmp_path)
+    bad = _rewrite(good, tmp_path / "bad", tensors=lambda t: t | {
+        k: np.ones((4, H + 1), np.float32) for k in t if "experts.2.gate_proj.lora_A" in k})
+    _raises(bad, r"shape mismatch: the experts of one projection have different widths")
+
+
+def test_reject_rank_mismatch(tmp_path):
+    good = _good(tmp_path)
+    bad = _rewrite(good, tmp_path / "bad", tensors=lambda t: t | {
+        k: np.ones((I, 5), np.float32) for k in t if "experts.0.up_proj.lora_B" in k})
+    _raises(bad, r"rank mismatch: key '.*experts\.0\.up_proj\.lora_A\.weight' has rank 4 but "
+                 r"'.*experts\.0\.up_proj\.lora_B\.weight' has rank 5")
+    bad2 = _rewrite(good, tmp_path / "bad2", config=lambda c: c | {"r": 8})
+    _raises(bad2, r"rank mismatch: key '.*lora_A\.weight' has rank 4, the config gives")
+    tp = _good(tmp_path / "tp", router=False, layout="target_parameters")
+    bad3 = _rewrite(tp, tmp_path / "bad3", config=lambda c: c | {"r": 3})
+    _raises(bad3, r"rank mismatch: key '.*experts.*lora_A\.weight' has 16 rows, not a multiple")
+
+
+def test_reject_missing_partner_and_non_float(tmp_path):
+    good = _good(tmp_path)
+    lonely = _rewrite(good, tmp_path / "lonely", tensors=lambda t: {
+        k: v for k, v in t.items() if "experts.2.down_proj.lora_B" not in k})
+    _raises(lonely, r"key '.*experts\.2\.down_proj\.lora_A\.weight' has no matching lora_B")
+    ints = _rewrite(good, tmp_path / "ints", tensors=lambda t: t | {
+        k: v.astype(np.int32) for k, v in t.items() if "experts.1.down_proj.lora_A" in k})
+    _raises(ints, r"non-float tensor: key '.*experts\.1\.down_proj\.lora_A\.weight' has dtype "
+                  r"int32")
+
+
+def test_reject_lora_bias_and_dora(tmp_path):
+    good = _good(tmp_path)
+    bias = _rewrite(good, tmp_path / "bias", tensors=lambda t: t | {
+        "base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_B.bias":
+            np.ones(I, np.float32)})
+    _raises(bias, r"key '.*experts\.0\.gate_proj\.lora_B\.bias' is a LoRA bias")
+    dora = _rewrite(good, tmp_path / "dora", config=lambda c: c | {"use_dora": True})
+    _raises(dora, r"use_dora is set")
+
+
+@pytest.mark.parametrize("config,match", [
+    (None, r"missing config: .*adapter_config\.json does not exist"),
+    ("{not json", r"malformed config .*: not valid JSON"),
+    ("[1, 2]", r"malformed config .*: expected a JSON object"),
+    ({"lora_alpha": 8}, r"malformed config adapter_config\.json: missing 'r'"),
+    ({"r": 4}, r"malformed config adapter_config\.json: missing 'lora_alpha'"),
+    ({"r": 0, "lora_alpha": 8}, r"'r' must be a positive int"),
+    ({"r": 4, "lora_alpha": "8"}, r"'lora_alpha' must be a number"),
+    ({"r": 4, "lora_alpha": 8, "rank_pattern": [1]}, r"'rank_pattern' must be an object"),
+    ({"r": 4, "lora_alpha": 8, "rank_pattern": {"down_proj": 0}},
+     r"rank_pattern\['down_proj'\] must be a positive int"),
+    ({"r": 4, "lora_alpha": 8, "alpha_pattern": {"(": 2}}, r"alpha_pattern key '\(' is not"),
+    ({"r": 4, "lora_alpha": 8, "peft_type": "IA3"}, r"peft_type is 'IA3'"),
+    ({"r": 4, "lora_alpha": 8, "target_parameters": "experts.down_proj"},
+     r"'target_parameters' must be a list"),
+])
+def test_reject_missing_or_malformed_config(tmp_path, config, match):
+    good = _good(tmp_path)
+    cfg_path = good / CONFIG_NAME
+    if config is None:
+        cfg_path.unlink()
+    else:
+        cfg_path.write_text(config if isinstance(config, str) else json.dumps(config))
+    _raises(good, match)
+
+
+def test_reject_missing_files(tmp_path):
+    _raises(tmp_path / "nowhere", r"missing adapter: .* is not a folder")
+    good = _good(tmp_path)
+    (good / WEIGHTS_NAME).unlink()
+    _raises(good, r"missing weights: .*adapter_model\.safetensors does not exist")
+    (good / WEIGHTS_NAME).write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
+    _raises(good, r"malformed weights")
+
+
+def test_writer_rejects_fused_layout_without_shared_a(tmp_path):
+    w = factors(np.random.default_rng(12), r=4, layers=1, shared_a=False)
+    with pytest.raises(ValueError, match="share lora_A"):
+        save_peft_adapter(tmp_path, w, r=4, lora_alpha=4, layout="gate_up")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        save_peft_adapter(tmp_path, w, r=4, lora_alpha=4, layout="fancy")
