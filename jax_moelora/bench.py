@@ -1,0 +1,438 @@
+"""``python -m jax_moelora bench``: the benchmark of SPEC §7.
+
+For each case (model, projection, tokens, rank, adapters; see
+``bench_cases``) and method (``fast``, ``seed``, ``cpu``, ``jnp`` and the
+``ragged_dot`` / ``einsum`` baselines; see ``bench_methods``) it
+
+1. times it: one jitted program folds ``--reps`` times back to back (the
+   carried ``base_out`` is donated; an optimization barrier keeps every part
+   of the fold inside the loop), the median of ``--runs`` runs after
+   ``--warmup`` untimed ones, divided by ``--reps``;
+2. checks it against the ``jnp`` fold on the same inputs: the first,
+   untimed run (``reps`` folds of ``base_out``) is compared with the same
+   ``reps`` ``jnp`` folds (delta error by norm within SPEC §6's tolerance,
+   rows the reference leaves alone bit-identical, finite); a mismatch is
+   reported loudly and makes the exit status 1;
+3. compares the time with the byte floor: the bytes a perfect fold moves
+   (distinct touched (adapter, expert) A/B blocks, ``x`` once, ``base_out``
+   read and written once) over the copy bandwidth measured in the same run
+   (an in-place read + write of a large buffer, timed the same way).
+
+``ragged_dot`` is skipped where XLA's default (dense, zero-padded) lowering
+would need more than ``--ragged-max-gib``; ``--ragged-pallas`` switches it to
+JAX's Pallas Triton grouped matmul on GPU where this JAX has one.
+
+It prints a table, and writes ``bench.json`` (one row per case and method,
+rewritten after every case), ``bench.md`` (the table) and ``bench.png``
+(% of floor against tokens) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import platform
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                           TimeElapsedColumn)
+from rich.table import Table
+
+from jax_moelora import _ext
+from jax_moelora import bench_methods as bm
+from jax_moelora.bench_cases import (DECODE_TOKENS, MODELS, PREFILL_TOKENS, PROJECTIONS, Case,
+                                     case_grid, floor_bytes, make_inputs, make_routing,
+                                     parse_model)
+
+__all__ = ["add_arguments", "run", "run_bench", "Settings", "PROTOCOL_REPS", "PROTOCOL_RUNS",
+           "ROW_FIELDS"]
+
+PROTOCOL_REPS = 32      # SPEC §7: at least 32 folds per program
+PROTOCOL_RUNS = 20      # SPEC §7: median of at least 20 runs
+
+# --quick: a subset. On the CPU (no GPU) the prefill point and the repetition
+# counts are scaled down so it finishes in a minute or two on two cores.
+QUICK = dict(models=("Qwen3-30B-A3B",), projs=PROJECTIONS, ranks=(16,), adapters=(1, 4))
+QUICK_TOKENS = {"gpu": (1, 64, 4096), "cpu": (1, 64, 320)}
+QUICK_CPU_REPS, QUICK_CPU_RUNS, QUICK_CPU_WARMUP = 8, 3, 1
+
+# Copy-bandwidth buffer and the ragged_dot dense-expansion limit, by platform.
+BW_BYTES = {"gpu": 1 << 30, "cpu": 256 << 20}
+RAGGED_MAX_BYTES = {"gpu": 16 << 30, "cpu": 64 << 20}
+
+ROW_FIELDS = ("model", "proj", "tokens", "phase", "rank", "adapters", "method", "time_us",
+              "floor_us", "pct_floor", "bytes", "bandwidth", "check", "check_err", "skipped",
+              "error", "pairs", "rows", "reps", "runs", "unroll")
+
+
+@dataclasses.dataclass
+class Settings:
+    """Everything one benchmark run needs (the parsed command line)."""
+
+    cases: list[Case]
+    methods: tuple[str, ...]
+    reps: int = PROTOCOL_REPS
+    runs: int = PROTOCOL_RUNS
+    warmup: int = 2
+    unroll: int | None = None
+    bw_bytes: int = BW_BYTES["cpu"]
+    ragged_max_bytes: float = RAGGED_MAX_BYTES["cpu"]
+    ragged_pallas: bool = False
+    check: bool = True
+    out: Path | None = Path("bench_out")
+    plot: bool = True
+
+
+def _platform() -> str:
+    return "gpu" if _ext.current_platform() == "gpu" else "cpu"
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.replace(",", " ").split())
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(v for v in text.replace(",", " ").split() if v)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` subcommand's options."""
+    parser.description = __doc__.split("\n\n")[0]
+    parser.add_argument("--quick", action="store_true",
+                        help="a subset: Qwen gate/down, rank 16, 1 and 4 adapters, tokens "
+                             "1, 64, 4096 (CPU: 1, 64, 320 and fewer reps/runs)")
+    parser.add_argument("--models", type=_names, default=None,
+                        help=f"models ({', '.join(MODELS)}; qwen/mixtral/deepseek; or a custom "
+                             "name:experts:top_k:hidden:inter), comma-separated")
+    parser.add_argument("--projs", type=_names, default=None, help="gate and/or down")
+    parser.add_argument("--tokens", type=_ints, default=None,
+                        help=f"token counts (<= 256: decode, gather fold; larger: prefill, grouped "
+                             f"fold); default {DECODE_TOKENS + PREFILL_TOKENS}")
+    parser.add_argument("--ranks", type=_ints, default=None, help="LoRA ranks (default 16,64)")
+    parser.add_argument("--adapters", type=_ints, default=None,
+                        help="adapters spread over the tokens (default 1,4)")
+    parser.add_argument("--methods", type=_names, default=None,
+                        help=f"of {', '.join(bm.ALL_METHODS)}; default: fast, seed and the "
+                             "baselines on a GPU; cpu, jnp and the baselines on the CPU")
+    parser.add_argument("--reps", type=int, default=None,
+                        help=f"folds per timed program (default {PROTOCOL_REPS})")
+    parser.add_argument("--runs", type=int, default=None,
+                        help=f"timed runs, median taken (default {PROTOCOL_RUNS})")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed runs first, the first one compiles and checks (default 2)")
+    parser.add_argument("--unroll", type=int, default=None,
+                        help="fori_loop unroll factor of the timed program (default: all reps "
+                             "for the custom-call methods, 8 for the pure-JAX ones)")
+    parser.add_argument("--list", action="store_true",
+                        help="list the cases, methods and floors without timing anything")
+    parser.add_argument("--bw-mib", type=float, default=None,
+                        help="copy-bandwidth buffer in MiB (default 1024 on GPU, 256 on CPU)")
+    parser.add_argument("--ragged-max-gib", type=float, default=None,
+                        help="skip ragged_dot where its dense lowering needs more (default 16 "
+                             "on GPU, 1/16 on CPU; 0: never skip)")
+    parser.add_argument("--ragged-pallas", action="store_true",
+                        help="lower ragged_dot with JAX's Pallas Triton grouped matmul on GPU")
+    parser.add_argument("--seed", type=int, default=0, help="routing and data seed")
+    parser.add_argument("--no-check", action="store_true",
+                        help="skip the correctness check against the jnp fold")
+    parser.add_argument("--no-plot", action="store_true", help="do not write bench.png")
+    parser.add_argument("--out", type=Path, default=Path("bench_out"),
+                        help="output folder (default bench_out/)")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Resolve defaults (platform, ``--quick``) into ``Settings``."""
+    plat = _platform()
+    quick = bool(args.quick)
+    models = args.models or (QUICK["models"] if quick else tuple(MODELS))
+    projs = args.projs or PROJECTIONS
+    tokens = args.tokens or (QUICK_TOKENS[plat] if quick else DECODE_TOKENS + PREFILL_TOKENS)
+    ranks = args.ranks or (QUICK["ranks"] if quick else (16, 64))
+    adapters = args.adapters or QUICK["adapters"]
+    methods = args.methods or bm.default_methods()
+    for m in methods:
+        if m not in bm.ALL_METHODS:
+            raise ValueError(f"unknown method {m!r}; known: {', '.join(bm.ALL_METHODS)}")
+    small = quick and plat == "cpu"
+    reps = args.reps or (QUICK_CPU_REPS if small else PROTOCOL_REPS)
+    runs = args.runs or (QUICK_CPU_RUNS if small else PROTOCOL_RUNS)
+    if reps < 1 or runs < 1:
+        raise ValueError("--reps and --runs must be positive")
+    bw = int(args.bw_mib * 2**20) if args.bw_mib else BW_BYTES[plat]
+    ragged = (args.ragged_max_gib * 2**30 if args.ragged_max_gib is not None
+              else RAGGED_MAX_BYTES[plat])
+    cases = case_grid([parse_model(m) for m in models], projs, tokens, ranks, adapters,
+                      seed=args.seed)
+    warmup = args.warmup or (QUICK_CPU_WARMUP if small else 2)
+    return Settings(cases=cases, methods=tuple(methods), reps=reps, runs=runs,
+                    warmup=max(1, warmup), unroll=args.unroll, bw_bytes=bw,
+                    ragged_max_bytes=0.0 if args.ragged_pallas else ragged,
+                    ragged_pallas=bool(args.ragged_pallas), check=not args.no_check,
+                    out=args.out, plot=not args.no_plot)
+
+
+def _unroll(s: Settings, method: str) -> int:
+    """The unroll factor of ``method``'s timed loop: ``--unroll``, else every
+    rep for the custom calls (no loop overhead at all), 8 for pure JAX."""
+    if s.unroll:
+        return max(1, min(s.unroll, s.reps))
+    return s.reps if method in bm.CUSTOM_CALL_METHODS else min(8, s.reps)
+
+
+def _row(case: Case, method: str, nbytes: dict, bandwidth: float, s: Settings) -> dict:
+    floor_s = nbytes["total"] / bandwidth
+    return {"model": case.model.name, "proj": case.proj, "tokens": case.tokens,
+            "phase": case.phase, "rank": case.rank, "adapters": case.adapters, "method": method,
+            "time_us": None, "floor_us": floor_s * 1e6, "pct_floor": None,
+            "bytes": nbytes["total"], "bandwidth": bandwidth, "check": None, "check_err": None,
+            "skipped": None, "error": None, "pairs": nbytes["pairs"], "rows": case.n_rows,
+            "reps": s.reps, "runs": s.runs, "unroll": _unroll(s, method)}
+
+
+def _bench_case(case: Case, s: Settings, bandwidth: float, progress: Progress, task,
+                console: Console) -> list[dict]:
+    """Check and time every method on one case's inputs.
+
+    The check compares the first (untimed) run of each method's program,
+    ``reps`` folds of ``base_out``, with the same program of the ``jnp``
+    fold: one compile per method serves both.
+    """
+    inputs = make_inputs(case)
+    base = inputs.base_out
+    loops: dict[str, Any] = {}
+    ref = None
+    if s.check:
+        progress.update(task, description=f"{case.label} [bold]jnp reference[/]")
+        try:
+            loops["jnp"] = bm.make_loop(bm.make_fold("jnp", case), s.reps, _unroll(s, "jnp"))
+            ref = jax.block_until_ready(loops["jnp"](jnp.copy(base), inputs.args))
+        except Exception as err:  # noqa: BLE001 - the methods still run, unchecked
+            console.print(f"[red]error[/] {case.label}: the jnp reference failed, methods are "
+                          f"unchecked: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+    rows = []
+    for method in s.methods:
+        progress.update(task, description=f"{case.label} [bold]{method}[/]")
+        row = _row(case, method, inputs.bytes, bandwidth, s)
+        reason = bm.skip_reason(method, case, ragged_max_bytes=s.ragged_max_bytes)
+        if reason:
+            row["skipped"] = reason
+        else:
+            def first(out, row=row, method=method):
+                if ref is None:
+                    return
+                if method == "jnp":
+                    row["check"], row["check_err"] = "ref", 0.0
+                    return
+                chk = bm.compare(out, ref, base)
+                row["check"] = "ok" if chk["ok"] else "MISMATCH"
+                row["check_err"] = chk["err"]
+
+            try:
+                args = bm.prepare_args(method, inputs)
+                loop = loops.get(method) or bm.make_loop(bm.make_fold(method, case), s.reps,
+                                                         _unroll(s, method))
+                t = bm.time_loop(loop, base, args, reps=s.reps, runs=s.runs, warmup=s.warmup,
+                                 first=first)
+                row["time_us"] = t * 1e6
+                row["pct_floor"] = 100.0 * row["floor_us"] / row["time_us"]
+                del args, loop
+            except Exception as err:  # noqa: BLE001 - reported per row, the run goes on
+                row["error"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+                console.print(f"[red]error[/] {case.label} {method}: {row['error']}")
+            if row["check"] == "MISMATCH":
+                console.print(f"[bold red]MISMATCH[/] {case.label} {method}: delta error "
+                              f"{row['check_err']:.3g} against the jnp fold")
+        rows.append(row)
+        progress.advance(task)
+    return rows
+
+
+def _fmt(v: float | None, digits: int = 1) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return f"{v:,.{digits}f}"
+
+
+def _status(row: dict) -> str:
+    if row["skipped"]:
+        return "skipped"
+    if row["error"]:
+        return "ERROR"
+    return row["check"] or "unchecked"
+
+
+def make_table(rows: Sequence[dict], title: str = "") -> Table:
+    """The rich table of ``rows``: one line per case and method."""
+    table = Table(title=title or None, show_lines=False, header_style="bold")
+    for name, just in (("model", "left"), ("proj", "left"), ("phase", "left"), ("T", "right"),
+                       ("R", "right"), ("L", "right"), ("method", "left"),
+                       ("time µs", "right"), ("floor µs", "right"), ("% floor", "right"),
+                       ("check", "left")):
+        table.add_column(name, justify=just)
+    prev = None
+    for r in rows:
+        key = (r["model"], r["proj"], r["tokens"], r["rank"], r["adapters"])
+        if prev is not None and key != prev:
+            table.add_section()
+        status = _status(r)
+        style = {"MISMATCH": "bold red", "ERROR": "red", "skipped": "dim"}.get(status, "")
+        status_txt = status
+        if status == "MISMATCH":
+            status_txt = f"✗ MISMATCH (err {r['check_err']:.2g})"
+        elif status == "ok" and r["check_err"]:
+            status_txt = f"ok ({r['check_err']:.1g})"
+        table.add_row(*(str(v) for v in (r["model"] if key != prev else "",
+                                          r["proj"] if key != prev else "",
+                                          r["phase"] if key != prev else "",
+                                          r["tokens"], r["rank"], r["adapters"])),
+                      r["method"], _fmt(r["time_us"], 2), _fmt(r["floor_us"], 2),
+                      _fmt(r["pct_floor"]), status_txt, style=style)
+        prev = key
+    return table
+
+
+def markdown_table(rows: Sequence[dict]) -> str:
+    """The rows as a Markdown table (for notes and the README)."""
+    head = ("| model | proj | phase | T | R | L | method | time µs | floor µs | % floor "
+            "| check |\n|---|---|---|---:|---:|---:|---|---:|---:|---:|---|")
+    lines = [head]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['proj']} | {r['phase']} | {r['tokens']} | {r['rank']} "
+                     f"| {r['adapters']} | {r['method']} | {_fmt(r['time_us'], 2)} | "
+                     f"{_fmt(r['floor_us'], 2)} | {_fmt(r['pct_floor'])} | {_status(r)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _meta(s: Settings, bandwidth: float) -> dict[str, Any]:
+    dev = jax.devices()[0]
+    return {"device": f"{dev.platform}: {dev.device_kind}", "platform": _platform(),
+            "jax": jax.__version__, "python": platform.python_version(),
+            "bandwidth": bandwidth, "bandwidth_buffer_bytes": s.bw_bytes, "reps": s.reps,
+            "runs": s.runs, "warmup": s.warmup, "unroll": s.unroll or "auto",
+            "methods": list(s.methods),
+            "ragged_pallas": s.ragged_pallas, "ragged_max_bytes": s.ragged_max_bytes,
+            "backends": _ext.backends(), "dtype": "bfloat16",
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def _case_line(rows: Sequence[dict]) -> str:
+    """One line per finished case (a log that survives an interrupted run)."""
+    r0 = rows[0]
+    parts = []
+    for r in rows:
+        if r["time_us"] is not None:
+            flag = "" if r["check"] in ("ok", "ref", None) else f" [bold red]{r['check']}[/]"
+            parts.append(f"{r['method']} {r['time_us']:,.2f} µs ({r['pct_floor']:.0f}%){flag}")
+        else:
+            parts.append(f"{r['method']} {_status(r)}")
+    return (f"{r0['model']} {r0['proj']} T={r0['tokens']} R={r0['rank']} L={r0['adapters']} "
+            f"floor {r0['floor_us']:,.2f} µs: " + ", ".join(parts))
+
+
+def run_bench(s: Settings, console: Console | None = None) -> tuple[list[dict], dict]:
+    """Measure the bandwidth, then every case and method; returns ``(rows, meta)``.
+
+    With ``s.out`` set, ``bench.json`` is rewritten after every case, so an
+    interrupted run keeps what it measured.
+    """
+    console = console or Console()
+    if s.ragged_pallas and "ragged_dot" in s.methods:
+        if not bm.use_pallas_ragged_dot():
+            console.print("[yellow]--ragged-pallas: this JAX has no Pallas ragged_dot lowering; "
+                          "using the default one[/]")
+    if s.reps < PROTOCOL_REPS or s.runs < PROTOCOL_RUNS:
+        console.print(f"[yellow]note:[/] {s.reps} reps x {s.runs} runs is below the SPEC §7 "
+                      f"protocol ({PROTOCOL_REPS} x {PROTOCOL_RUNS}): a smoke run")
+    rows: list[dict] = []
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+               MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("copy bandwidth", total=len(s.cases) * len(s.methods))
+        bandwidth = bm.measure_bandwidth(s.bw_bytes, reps=s.reps, runs=s.runs, warmup=s.warmup)
+        console.print(f"copy bandwidth: [bold]{bandwidth / 1e9:,.1f} GB/s[/] (read + write, "
+                      f"{s.bw_bytes / 2**20:,.0f} MiB buffer) on {jax.devices()[0].device_kind}")
+        meta = _meta(s, bandwidth)
+        for case in s.cases:
+            case_rows = _bench_case(case, s, bandwidth, progress, task, console)
+            rows.extend(case_rows)
+            console.print(_case_line(case_rows), highlight=False)
+            if s.out is not None:
+                write_json(rows, meta, s.out)
+    return rows, meta
+
+
+def write_json(rows: list[dict], meta: dict, out: Path) -> Path:
+    """Write ``{"meta", "rows"}`` to ``out/bench.json``."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def write_outputs(rows: list[dict], meta: dict, out: Path, plot: bool = True) -> list[Path]:
+    """Write ``bench.json``, ``bench.md`` and (``plot``) ``bench.png`` to ``out``."""
+    paths = [write_json(rows, meta, out), out / "bench.md"]
+    paths[1].write_text(f"Copy bandwidth {meta['bandwidth'] / 1e9:,.1f} GB/s on "
+                        f"{meta['device']}, {meta['reps']} folds x {meta['runs']} runs.\n\n"
+                        + markdown_table(rows))
+    if plot:
+        from jax_moelora.bench_plot import plot_rows
+
+        title = f"{meta['device']} ({meta['bandwidth'] / 1e9:,.0f} GB/s copy)"
+        paths.append(plot_rows(rows, out / "bench.png", title=title))
+    return paths
+
+
+def list_cases(s: Settings, console: Console) -> None:
+    """Print the grid: each case's floor bytes, and which methods it skips."""
+    table = Table(title=f"{len(s.cases)} cases x {len(s.methods)} methods", header_style="bold")
+    for name in ("case", "rows", "pairs", "floor MB", "skipped"):
+        table.add_column(name)
+    for case in s.cases:
+        topk, ra = make_routing(case)
+        nb = floor_bytes(topk, ra, rank=case.rank, k_in=case.k_in, n_out=case.n_out,
+                         x_gather=case.x_gather)
+        skips = [m for m in s.methods
+                 if bm.skip_reason(m, case, ragged_max_bytes=s.ragged_max_bytes)]
+        table.add_row(case.label, str(case.n_rows), str(nb["pairs"]),
+                      f"{nb['total'] / 1e6:,.2f}", ", ".join(skips))
+    console.print(table)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``python -m jax_moelora bench``; 1 on any mismatch or error."""
+    console = Console() if sys.stdout.isatty() else Console(width=150)
+    try:
+        s = settings_from_args(args)
+    except ValueError as err:
+        console.print(f"[red]bench:[/] {err}")
+        return 2
+    if args.list:
+        list_cases(s, console)
+        return 0
+    console.print(f"{len(s.cases)} cases x {len(s.methods)} methods ({', '.join(s.methods)}), "
+                  f"{s.reps} folds per program, median of {s.runs} runs")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
+        rows, meta = run_bench(s, console)
+    written = write_outputs(rows, meta, s.out, s.plot) if s.out is not None else []
+    console.print(make_table(rows, title=f"MoE LoRA folds on {meta['device']}, bf16, "
+                                         f"copy {meta['bandwidth'] / 1e9:,.1f} GB/s"))
+    for p in written:
+        console.print(f"wrote {p}")
+    bad = [r for r in rows if r["check"] == "MISMATCH" or r["error"]]
+    if bad:
+        console.print(f"[bold red]{len(bad)} method(s) failed the check or raised[/]")
+        return 1
+    return 0
