@@ -20,6 +20,13 @@ from jax_moelora.ops import (
     moe_lora_grouped_down,
     sort_rows_by_expert,
 )
+from jax_moelora.ops.sharding import (
+    moe_lora_fold_data_parallel,
+    moe_lora_fold_expert_parallel,
+    moe_lora_fold_tensor_parallel,
+    shard_expert_parallel,
+    shard_tensor_parallel,
+)
 from jax_moelora.routing import (
     Route,
     UnservableBatchError,
@@ -69,8 +76,13 @@ __all__ = [
     "grouped_down_wc",
     "grouped_down_windows",
     "moe_lora_fold",
+    "moe_lora_fold_data_parallel",
+    "moe_lora_fold_expert_parallel",
+    "moe_lora_fold_tensor_parallel",
     "moe_lora_gather_bgmv",
     "moe_lora_grouped_down",
     "padded_rank",
+    "shard_expert_parallel",
+    "shard_tensor_parallel",
     "sort_rows_by_expert",
 ]

@@ -9,13 +9,25 @@ from jax_moelora.ops.folds import (
     resolve_impl,
     sort_rows_by_expert,
 )
+from jax_moelora.ops.sharding import (
+    moe_lora_fold_data_parallel,
+    moe_lora_fold_expert_parallel,
+    moe_lora_fold_tensor_parallel,
+    shard_expert_parallel,
+    shard_tensor_parallel,
+)
 
 __all__ = [
     "GATHER_MAX_ROWS",
     "IMPLS",
     "moe_lora_fold",
+    "moe_lora_fold_data_parallel",
+    "moe_lora_fold_expert_parallel",
+    "moe_lora_fold_tensor_parallel",
     "moe_lora_gather_bgmv",
     "moe_lora_grouped_down",
     "resolve_impl",
+    "shard_expert_parallel",
+    "shard_tensor_parallel",
     "sort_rows_by_expert",
 ]

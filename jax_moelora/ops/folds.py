@@ -10,6 +10,10 @@ Each function validates shapes and dtypes at trace time (``ValueError`` /
 
 Every backend folds in place (the result replaces ``base_out``; donate it to
 avoid a copy) and skips the same rows, bit-identically.
+
+Every backend is differentiable (``jax.grad`` w.r.t. ``x``, ``base_out``, the
+pools and ``scale_table``: ``ops/autodiff.py``, straight-through roundings) and
+batches under ``jax.vmap`` into one call (``ops/batching.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moelora import _ext
-from jax_moelora.ops import ffi_fold, jnp_fold
+from jax_moelora.ops import autodiff
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["moe_lora_gather_bgmv", "moe_lora_grouped_down", "moe_lora_fold", "resolve_impl",
@@ -146,11 +150,8 @@ def moe_lora_gather_bgmv(x: jax.Array, base_out: jax.Array, indices: jax.Array,
     impl = resolve_impl(impl)
     if jnp.dtype(indices.dtype) == jnp.uint32:
         indices = jax.lax.bitcast_convert_type(indices, jnp.int32)
-    if impl == "jnp":
-        return jnp_fold.gather_bgmv_jnp(x, base_out, indices, route, row_adapter,
-                                        top_k=top_k, x_gather=x_gather)
-    return ffi_fold.gather_bgmv_ffi(x, base_out, indices, route, row_adapter, top_k=top_k,
-                                    x_gather=x_gather, impl=impl)
+    return autodiff.gather_bgmv(x, base_out, indices, route, row_adapter, top_k=top_k,
+                                x_gather=x_gather, impl=impl)
 
 
 def moe_lora_grouped_down(x: jax.Array, base_out: jax.Array, expert_offsets: jax.Array,
@@ -209,12 +210,9 @@ def moe_lora_grouped_down(x: jax.Array, base_out: jax.Array, expert_offsets: jax
     impl = resolve_impl(impl)
     if row_offset == row_end:
         return base_out
-    kw = dict(row_offset=row_offset, row_end=row_end, x_gather=x_gather)
-    if impl == "jnp":
-        return jnp_fold.grouped_down_jnp(x, base_out, expert_offsets, sorted_token_ids, route,
-                                         row_adapter, **kw)
-    return ffi_fold.grouped_down_ffi(x, base_out, expert_offsets, sorted_token_ids, route,
-                                     row_adapter, impl=impl, **kw)
+    return autodiff.grouped_down(x, base_out, expert_offsets, sorted_token_ids, route,
+                                 row_adapter, row_offset=row_offset, row_end=row_end,
+                                 x_gather=x_gather, impl=impl)
 
 
 def sort_rows_by_expert(topk_ids: jax.Array, n_experts: int):

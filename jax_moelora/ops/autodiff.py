@@ -1,0 +1,304 @@
+"""Reverse-mode autodiff of the two folds (``jax.custom_vjp``, every ``impl``).
+
+Per folded row with pair ``(a, b)`` and scale ``s`` (its table cell
+``(l, e)``), the forward is ``xa = x A_a^T``, ``delta = xa B_b^T``,
+``out = base + s * delta``. For a cotangent ``g [rows, N]`` the backward is::
+
+    d_base  = g                                 (every row, folded or not)
+    gB      = g B_b                             [rows, R]
+    d_xa    = s * gB                            [rows, R]
+    dx      += d_xa A_a                         (scatter-add to x's row)
+    dA_a    += d_xa^T x                         [R, K]
+    dB_b    += s * g^T xa                       [N, R]
+    ds[l,e] += sum(g * delta) = sum(xa * gB)    (per row, to its table cell)
+
+The three roundings of the forward (``xa``, ``delta``, ``out`` to the
+activation dtype) are treated as the identity in the backward (straight-through
+estimator); ``xa`` is recomputed and rounded as in the forward, every product
+accumulates in float32, and the cotangents come back in their primal dtypes
+(``scale_table``: float32). Skipped rows contribute nothing to the weight and
+scale gradients and pass ``g`` through to ``base_out``. Integer operands (ids,
+offsets, tables, the row-adapter map) get no cotangent (``None``; ``float0``
+from ``jax.vjp``). Reverse mode only: ``jax.jvp`` of a ``custom_vjp`` is not
+defined. Composes with ``jax.vmap`` (``ops/batching.py``) and ``shard_map``.
+
+The backward is traced ``jnp`` that runs on the device for every ``impl``
+(there are no backward custom calls; the folds' forward kernels do the
+primal). It never gathers one A or B block per row. Two formulations, picked
+statically by size (``backward_mode``):
+
+- ``"tiled"``: rows are sorted by table cell and laid out in tiles of ``T``
+  rows that each hold rows of ONE cell (``T`` from the row count and the
+  number of cells); one A and one B block is gathered per tile and all the
+  per-row work becomes batched matmuls ``[tiles, T, .] x [tiles, ., .]``;
+  per-tile weight gradients are segment-summed into the pools. At most
+  ``ceil(rows / T) + min(cells, rows)`` tiles.
+- ``"dense"``: for few rows, products against the whole pool
+  (``einsum('mk,prk->mpr')``) selected with one-hot slot masks: no gathers,
+  sorts or scatters of blocks at all; costs ``rows * P`` rank-vectors.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_moelora import _ext
+from jax_moelora.ops import batching, jnp_fold
+from jax_moelora.ops.batching import GatherCfg, GroupedCfg
+from jax_moelora.tables import MoeExpertRoute
+
+__all__ = ["gather_bgmv", "grouped_down", "backward_mode", "tile_rows", "fold_rows_vjp"]
+
+_HI = jax.lax.Precision.HIGHEST
+_F32 = jnp.float32
+
+# The dense formulation is used while rows * pool_size is at most this many
+# rank-vectors (or at most what the tiled one would pad to).
+DENSE_MAX = 1 << 14
+# "dense" or "tiled" forces one formulation (tests; read at trace time).
+FORCE_MODE: str | None = None
+
+
+def tile_rows(rows: int, cells: int, rank: int) -> int:
+    """Rows per tile of the tiled backward: ``sqrt(2 * R * rows / cells)``
+    (balances padded rows against gathered blocks), a power of two in
+    ``[8, 128]``."""
+    groups = max(1, min(cells, rows))
+    t = math.sqrt(2.0 * rank * rows / groups)
+    return int(min(128, max(8, 2 ** round(math.log2(max(t, 1.0))))))
+
+
+def _n_tiles(rows: int, cells: int, t: int) -> int:
+    return -(-rows // t) + min(cells, rows)
+
+
+def backward_mode(rows: int, route: MoeExpertRoute) -> str:
+    """``"dense"`` or ``"tiled"``: the backward formulation used for ``rows``
+    folded rows (static; see the module docstring)."""
+    if FORCE_MODE is not None:
+        return FORCE_MODE
+    cells, P, R = route.max_loras * route.n_experts, route.pool_size, route.max_rank
+    t = tile_rows(rows, cells, R)
+    tiled_cost = _n_tiles(rows, cells, t) * (t + 2 * R)
+    return "dense" if rows * P <= max(DENSE_MAX, 2 * tiled_cost) else "tiled"
+
+
+def _cells(route: MoeExpertRoute, adapter, expert):
+    """Flat table cell ``l * E + e`` per row and whether the row folds."""
+    _, _, _, ok = jnp_fold.resolve_pairs(route, adapter, expert)
+    L, E = route.max_loras, route.n_experts
+    l = jnp.zeros_like(adapter) if L == 1 else adapter
+    cell = jnp.clip(l, 0, L - 1) * E + jnp.clip(expert, 0, E - 1)
+    return cell.astype(jnp.int32), ok
+
+
+def _dot(spec, a, b):
+    """einsum with f32 accumulation (bf16/f16 operands are widened first on
+    the CPU, whose dot thunks lack mixed-precision kernels)."""
+    if _ext.current_platform() == "cpu":
+        a, b = a.astype(_F32), b.astype(_F32)
+    return jnp.einsum(spec, a, b, precision=_HI, preferred_element_type=_F32)
+
+
+def _bwd_dense(x, route, g_rows, xi, cell, ok):
+    """Products against every pool slot, selected by one-hot masks."""
+    dt, P = route.dtype, route.pool_size
+    okf = ok.astype(_F32)[:, None]
+    a_slot = route.a_table.reshape(-1)[cell]
+    b_slot = route.b_table.reshape(-1)[cell]
+    s = route.scale_table.reshape(-1)[cell][:, None] * okf           # [m, 1]
+    hot_a = jax.nn.one_hot(a_slot, P, dtype=_F32) * okf              # [m, P]
+    hot_b = jax.nn.one_hot(b_slot, P, dtype=_F32) * okf
+    xr = x[xi]                                                        # [m, K]
+    xa = jnp.einsum("mpr,mp->mr", _dot("mk,prk->mpr", xr, route.a_pool), hot_a)
+    xa = xa.astype(dt).astype(_F32)                                   # forward rounding
+    gB = jnp.einsum("mpr,mp->mr", _dot("mn,pnr->mpr", g_rows, route.b_pool), hot_b)
+    d_xa = s * gB                                                     # [m, R]
+    ds_rows = jnp.sum(xa * gB, axis=1) * okf[:, 0]
+    sel_a = (hot_a[:, :, None] * d_xa[:, None, :]).astype(dt)         # [m, P, R]
+    sel_b = (hot_b[:, :, None] * (s * xa)[:, None, :]).astype(dt)
+    dx_rows = _dot("mpr,prk->mk", sel_a, route.a_pool)
+    da = _dot("mpr,mk->prk", sel_a, xr)
+    db = _dot("mpr,mn->pnr", sel_b, g_rows)
+    return dx_rows, xi, da, db, ds_rows, cell
+
+
+def _bwd_tiled(x, route, g_rows, xi, cell, ok):
+    """Rows sorted by cell into single-cell tiles; batched matmuls per tile."""
+    dt, (m, _) = route.dtype, g_rows.shape
+    G = route.max_loras * route.n_experts
+    T = tile_rows(m, G, route.max_rank)
+    n_tiles = _n_tiles(m, G, T)
+    n_pad = n_tiles * T
+    key = jnp.where(ok, cell, G)
+    counts = jnp.zeros((G + 1,), jnp.int32).at[key].add(1)[:G]
+    tiles_per = (counts + T - 1) // T
+    tile_end = jnp.cumsum(tiles_per)
+    tile_begin = tile_end - tiles_per
+    row_begin = jnp.cumsum(counts) - counts
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    skey = key[order]
+    kc = jnp.clip(skey, 0, G - 1)
+    pos = tile_begin[kc] * T + jnp.arange(m, dtype=jnp.int32) - row_begin[kc]
+    pos = jnp.where(skey < G, pos, n_pad)
+    src = jnp.full((n_pad,), m, jnp.int32).at[pos].set(order, mode="drop")  # slot -> row
+    live = src < m
+    srcc = jnp.where(live, src, 0)
+    tile_cell = jnp.searchsorted(tile_end, jnp.arange(n_tiles, dtype=jnp.int32), side="right")
+    tile_live = tile_cell < G
+    tcc = jnp.clip(tile_cell, 0, G - 1).astype(jnp.int32)
+    a_t = jnp.where(tile_live, route.a_table.reshape(-1)[tcc], 0)
+    b_t = jnp.where(tile_live, route.b_table.reshape(-1)[tcc], 0)
+    s_t = jnp.where(tile_live, route.scale_table.reshape(-1)[tcc], 0.0)[:, None, None]
+    x_idx = xi[srcc]
+    X = jnp.where(live[:, None], x[x_idx], 0).reshape(n_tiles, T, -1)       # [t, T, K]
+    Gp = jnp.where(live[:, None], g_rows[srcc], 0).reshape(n_tiles, T, -1)  # [t, T, N]
+    A = route.a_pool[a_t]                                                   # [t, R, K]
+    B = route.b_pool[b_t]                                                   # [t, N, R]
+    xa = _dot("tik,tjk->tij", X, A).astype(dt)                              # forward rounding
+    gB = _dot("tin,tnj->tij", Gp, B)
+    d_xa = (s_t * gB).astype(dt)
+    ds_t = jnp.sum(xa.astype(_F32) * gB, axis=(1, 2))                      # [t]
+    dx_rows = _dot("tij,tjk->tik", d_xa, A).reshape(n_pad, -1)
+    da_t = _dot("tij,tik->tjk", d_xa, X)
+    db_t = _dot("tin,tij->tnj", Gp, xa) * s_t
+    P = route.pool_size
+    da = jnp.zeros((P,) + A.shape[1:], _F32).at[a_t].add(da_t)
+    db = jnp.zeros((P,) + B.shape[1:], _F32).at[b_t].add(db_t)
+    x_idx = jnp.where(live, x_idx, x.shape[0])                               # dropped
+    tile_cell = jnp.where(tile_live, tcc, G)
+    return dx_rows, x_idx, da, db, ds_t, tile_cell
+
+
+def fold_rows_vjp(x, route: MoeExpertRoute, g_rows, xi, cell, ok, mode: str | None = None):
+    """Cotangents of the folded rows' deltas.
+
+    Args:
+      x: ``[X, K]`` the fold's input; row ``xi[i]`` feeds folded row ``i``.
+      route: the projection's route.
+      g_rows: ``[m, N]`` cotangent of each row's output.
+      xi: int32 ``[m]`` x row per row; cell: int32 ``[m]`` flat table cell
+        ``l * E + e``; ok: bool ``[m]``, whether the row folds.
+      mode: ``"dense"``, ``"tiled"`` or ``None`` (``backward_mode``).
+
+    Returns:
+      ``(dx [X, K] x.dtype, d_a_pool, d_b_pool (pool dtype), d_scale_table f32 [L, E])``.
+    """
+    m = g_rows.shape[0]
+    mode = backward_mode(m, route) if mode is None else mode
+    fn = {"dense": _bwd_dense, "tiled": _bwd_tiled}[mode]
+    g_rows = g_rows.astype(route.dtype)
+    dx_rows, x_idx, da, db, ds, ds_cell = fn(x, route, g_rows, xi, cell, ok)
+    dx = jnp.zeros(x.shape, _F32).at[x_idx].add(dx_rows, mode="drop")
+    L, E = route.max_loras, route.n_experts
+    dscale = jnp.zeros((L * E,), _F32).at[ds_cell].add(ds, mode="drop").reshape(L, E)
+    return dx.astype(x.dtype), da.astype(route.dtype), db.astype(route.dtype), dscale
+
+
+def _route_ct(route: MoeExpertRoute, da, db, dscale) -> MoeExpertRoute:
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(route),
+                                        [da, db, None, None, dscale])
+
+
+# ---- gather fold ----------------------------------------------------------------------------
+
+def _gather_rows(cfg: GatherCfg, indices, route, row_adapter):
+    n_slots = indices.shape[0]
+    rows = jnp.arange(n_slots, dtype=jnp.int32)
+    tok = rows // cfg.top_k
+    adapter = jnp.zeros_like(rows) if row_adapter is None else row_adapter[tok]
+    cell, ok = _cells(route, adapter, indices)
+    return (tok if cfg.x_gather else rows), cell, ok
+
+
+@functools.cache
+def _gather_vjp(cfg: GatherCfg):
+    op = batching.gather_op(cfg)
+
+    @jax.custom_vjp
+    def fold(x, base_out, indices, route, row_adapter):
+        return op(x, base_out, indices, route, row_adapter)
+
+    def fwd(x, base_out, indices, route, row_adapter):
+        return op(x, base_out, indices, route, row_adapter), (x, indices, route, row_adapter)
+
+    def bwd(res, g):
+        x, indices, route, row_adapter = res
+        xi, cell, ok = _gather_rows(cfg, indices, route, row_adapter)
+        dx, da, db, ds = fold_rows_vjp(x, route, g, xi, cell, ok)
+        return dx, g, None, _route_ct(route, da, db, ds), None
+
+    fold.defvjp(fwd, bwd)
+    return fold
+
+
+def gather_bgmv(x, base_out, indices, route: MoeExpertRoute, row_adapter, *, top_k: int,
+                x_gather: int, impl: str) -> jax.Array:
+    """Differentiable, vmappable gather fold on validated inputs (``impl``
+    resolved, ``indices`` int32); see ``folds.moe_lora_gather_bgmv``."""
+    route = jax.tree_util.tree_map(jnp.asarray, route)  # NumPy tables: index with tracers
+    args = batching.match_varying((x, base_out, indices, route, row_adapter))
+    return _gather_vjp(GatherCfg(top_k, x_gather, impl))(*args)
+
+
+# ---- grouped fold ---------------------------------------------------------------------------
+
+def _grouped_rows(cfg: GroupedCfg, x_rows: int, expert_offsets, sorted_token_ids, route,
+                  row_adapter):
+    """Per window row: ``(xi, cell, ok)``, the same rules as ``grouped_down_jnp``."""
+    lo, hi = cfg.row_offset, cfg.row_end
+    num_experts = expert_offsets.shape[0] - 1
+    r = jnp.arange(lo, hi, dtype=jnp.int32)
+    e = jnp.searchsorted(expert_offsets, r, side="right").astype(jnp.int32) - 1
+    ec = jnp.clip(e, 0, num_experts - 1)
+    in_span = (e >= 0) & (e < num_experts) & (r < expert_offsets[ec + 1])
+    e = jnp.where(in_span, e, -1)
+    tok = sorted_token_ids[r]
+    ok_tok = jnp.ones_like(in_span)
+    limit = x_rows if cfg.x_gather else (1 if row_adapter is None else row_adapter.shape[0])
+    if cfg.x_gather or row_adapter is not None:
+        ok_tok = (tok >= 0) & (tok < limit)
+    tokc = jnp.clip(tok, 0, limit - 1)
+    adapter = jnp.zeros_like(r) if row_adapter is None else row_adapter[tokc]
+    cell, ok = _cells(route, adapter, e)
+    return (tokc if cfg.x_gather else r), cell, ok & ok_tok
+
+
+@functools.cache
+def _grouped_vjp(cfg: GroupedCfg):
+    op = batching.grouped_op(cfg)
+
+    @jax.custom_vjp
+    def fold(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter):
+        return op(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter)
+
+    def fwd(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter):
+        out = op(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter)
+        return out, (x, expert_offsets, sorted_token_ids, route, row_adapter)
+
+    def bwd(res, g):
+        x, expert_offsets, sorted_token_ids, route, row_adapter = res
+        xi, cell, ok = _grouped_rows(cfg, x.shape[0], expert_offsets, sorted_token_ids,
+                                     route, row_adapter)
+        g_rows = g[cfg.row_offset:cfg.row_end]
+        dx, da, db, ds = fold_rows_vjp(x, route, g_rows, xi, cell, ok)
+        return dx, g, None, None, _route_ct(route, da, db, ds), None
+
+    fold.defvjp(fwd, bwd)
+    return fold
+
+
+def grouped_down(x, base_out, expert_offsets, sorted_token_ids, route: MoeExpertRoute,
+                 row_adapter, *, row_offset: int, row_end: int, x_gather: int,
+                 impl: str) -> jax.Array:
+    """Differentiable, vmappable grouped fold on validated inputs (non-empty
+    window, ``impl`` resolved); see ``folds.moe_lora_grouped_down``."""
+    cfg = GroupedCfg(row_offset, row_end, x_gather, impl)
+    route = jax.tree_util.tree_map(jnp.asarray, route)
+    args = batching.match_varying((x, base_out, expert_offsets, sorted_token_ids, route,
+                                   row_adapter))
+    return _grouped_vjp(cfg)(*args)
