@@ -296,6 +296,23 @@ def _jitted(fn):
     return jax.jit(fn)
 
 
+def _some_row_folds(builder):
+    """Redraw a random case (up to 20 times) until at least one row folds, so
+    that every test built on it can fail."""
+    import functools
+
+    @functools.wraps(builder)
+    def build(rng, **kw):
+        for _ in range(20):
+            case = builder(rng, **kw)
+            if case.fold_rows.any():
+                break
+        return case
+
+    return build
+
+
+@_some_row_folds
 def make_gather_case(rng, *, dtype=jnp.bfloat16, num_loras: int = 1, top_k: int = 4,
                      num_tokens: int = 24, x_gather: int = 0,
                      row_adapter: bool | np.ndarray = True,
@@ -326,6 +343,7 @@ def make_gather_case(rng, *, dtype=jnp.bfloat16, num_loras: int = 1, top_k: int 
     return _finish(rng, case, (tok if x_gather else np.arange(n_slots))[fold_rows], poison)
 
 
+@_some_row_folds
 def make_grouped_case(rng, *, dtype=jnp.bfloat16, num_loras: int = 1, num_tokens: int = 48,
                       rows_per_expert: int = 14, extra_experts: int = 3, empty_spans: int = 1,
                       lead: int = 5, tail: int = 7, x_gather: int = 0,

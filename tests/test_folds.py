@@ -248,12 +248,20 @@ def test_grouped_token_ids_out_of_range_skip_only_where_read(rng, impl, x_gather
 @pytest.mark.parametrize("impl", ["cpu", "jnp", "auto", *CUDA_IMPLS])
 def test_fold_gather_and_sorted_paths_give_the_same_bits(rng, impl, dtype, x_gather, with_map):
     """moe_lora_fold: the gather fold and sort -> grouped fold -> unsort
-    (forced by gather_max_rows=0) give the same bits, matching the reference."""
+    (forced by gather_max_rows=0) give the same bits, matching the reference.
+    Exception: "fast" folds decode rows on CUDA cores and sorted rows on the
+    tensor cores, which sum in other orders: there both paths must match the
+    reference (and skip the same rows bit for bit)."""
     case = make_gather_case(rng, op="fold", dtype=dtype, num_loras=4, x_gather=x_gather,
                             row_adapter=with_map)
     gathered = case.run(impl)
     sorted_ = case.run(impl, gather_max_rows=0)
-    np.testing.assert_array_equal(bits(sorted_), bits(gathered))
+    if concrete_impl(impl) == "fast" and jnp.dtype(dtype) != jnp.float32:
+        np.testing.assert_array_equal(bits(sorted_[~case.fold_rows]),
+                                      bits(gathered[~case.fold_rows]))
+        _check(case, sorted_, impl)
+    else:
+        np.testing.assert_array_equal(bits(sorted_), bits(gathered))
     _check(case, gathered, impl)
 
 
@@ -418,6 +426,8 @@ def test_cuda_graphs_on_and_off_give_the_same_bits(tmp_path, impl):
     """)
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+    # this process already holds most of the GPU memory (JAX preallocates)
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

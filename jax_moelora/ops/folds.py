@@ -244,7 +244,9 @@ def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route:
       route, row_adapter, impl: as for ``moe_lora_gather_bgmv``.
       gather_max_rows: batches of at most this many flat rows take the gather
         fold; larger ones are sorted by expert (stable, traced jnp), folded by
-        ``moe_lora_grouped_down`` and unsorted. Both give the same bits.
+        ``moe_lora_grouped_down`` and unsorted. Both give the same bits, except
+        with ``impl="fast"`` (decode rows on CUDA cores, sorted rows on the
+        tensor cores: other fp32 summation orders, same skipped rows).
 
     Returns:
       ``[T * top_k, n_out]`` in flat row order.
