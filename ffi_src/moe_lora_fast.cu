@@ -768,9 +768,9 @@ __global__ void __launch_bounds__(kF32Threads) grouped_f32_kernel(const GroupedA
 
 // A decode row is a matrix-vector product bound by loads, so the default
 // gather kernel gives each (row, column chunk) its own CTA of kRowThreads:
-//   1. warp w computes xa[j] for j = w, w + 8, ...: lanes stride K with
-//      16-byte loads of A and x (fp32 partial sums in k order per lane, then a
-//      fixed butterfly), rounded to the dtype into shared memory;
+//   1. warp w takes one eighth of K for every rank j (16 ranks at a time, 16
+//      independent 16-byte loads of A per x vector), fixed butterfly over the
+//      lanes, then the 8 warps' partials in order, rounded to the dtype;
 //   2. thread t folds columns c0 + t, c0 + t + kRowThreads, ... of the chunk:
 //      delta = round(xa . B[n]) (16-byte loads of the B row, rank order),
 //      out = round(out + scale * delta).
@@ -779,6 +779,8 @@ __global__ void __launch_bounds__(kF32Threads) grouped_f32_kernel(const GroupedA
 // kernels (so moe_lora_fold's gather and sorted paths agree to the "any
 // backend" tolerance, not to the bit, for impl "fast").
 constexpr int kRowThreads = 256;
+constexpr int kRowWarps = kRowThreads / 32;
+constexpr int kRowRanks = 16;  // ranks accumulated at once per lane
 
 template <DType D>
 __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
@@ -806,6 +808,7 @@ template <DType D>
 __global__ void __launch_bounds__(kRowThreads)
     gather_rows_kernel(const GatherArgs a, int64_t chunk_w) {
   __shared__ float s_xa[kMaxRank];
+  __shared__ float s_part[kRowWarps][kMaxRank];
   const int64_t row = blockIdx.x;
   int l, e;
   if (!gather_row_cell(a, row, &l, &e)) return;  // uniform over the CTA
@@ -816,16 +819,38 @@ __global__ void __launch_bounds__(kRowThreads)
   const uint16_t* x =
       static_cast<const uint16_t*>(a.x) + (a.x_gather ? row / a.top_k : row) * a.K;
   const uint16_t* A = static_cast<const uint16_t*>(a.a_pool) + int64_t(pair.a) * R * a.K;
-  for (int j = w; j < R; j += kRowThreads / 32) {
-    const uint16_t* arow = A + int64_t(j) * a.K;
-    float acc = 0.f;
-#pragma unroll 4
-    for (int64_t k = int64_t(lane) * 8; k < a.K; k += 32 * 8)
-      acc = dot8<D>(__ldg(reinterpret_cast<const uint4*>(arow + k)),
-                    __ldg(reinterpret_cast<const uint4*>(x + k)), acc);
+  // Warp w owns a contiguous range of K (in 16-byte vectors) for every rank j:
+  // each lane keeps 16 loads of A in flight per x vector it reads.
+  const int64_t nvec = a.K / 8;
+  const int64_t per_warp = (nvec + kRowWarps - 1) / kRowWarps;
+  const int64_t v0 = w * per_warp, v1 = min(nvec, v0 + per_warp);
+  for (int j0 = 0; j0 < R; j0 += kRowRanks) {
+    float acc[kRowRanks];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) s_xa[j] = h2f<D>(f2h<D>(acc));
+    for (int jj = 0; jj < kRowRanks; ++jj) acc[jj] = 0.f;
+    for (int64_t v = v0 + lane; v < v1; v += 32) {
+      const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + v * 8));
+#pragma unroll
+      for (int jj = 0; jj < kRowRanks; ++jj)
+        if (j0 + jj < R)  // R % 8 == 0, uniform
+          acc[jj] = dot8<D>(
+              __ldg(reinterpret_cast<const uint4*>(A + int64_t(j0 + jj) * a.K + v * 8)), xv,
+              acc[jj]);
+    }
+#pragma unroll
+    for (int jj = 0; jj < kRowRanks; ++jj) {
+      float v = acc[jj];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0 && j0 + jj < R) s_part[w][j0 + jj] = v;
+    }
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < R; j += kRowThreads) {  // warps' partials in order
+    float v = s_part[0][j];
+#pragma unroll
+    for (int ww = 1; ww < kRowWarps; ++ww) v += s_part[ww][j];
+    s_xa[j] = h2f<D>(f2h<D>(v));
   }
   __syncthreads();
   const uint16_t* B = static_cast<const uint16_t*>(a.b_pool) + int64_t(pair.b) * a.N * R;
@@ -863,10 +888,13 @@ cudaError_t launch(void (*kernel)(Params), const Params& prm, int64_t n_ctas, in
   if (n_ctas <= 0) return cudaSuccess;
   if (smem_bytes > 48 * 1024) {
     // a host-side attribute (no stream operation), raised once per kernel and size
+    // the attribute is per device: key the cache by (device, kernel)
     static std::mutex mu;
-    static std::unordered_map<const void*, int> raised;
+    static std::unordered_map<const void*, int> raised[64];
+    int dev = 0;
+    if (const cudaError_t err = cudaGetDevice(&dev); err != cudaSuccess) return err;
     std::lock_guard<std::mutex> lock(mu);
-    int& have = raised[reinterpret_cast<const void*>(kernel)];
+    int& have = raised[dev & 63][reinterpret_cast<const void*>(kernel)];
     if (smem_bytes > have) {
       const cudaError_t err =
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
