@@ -5,10 +5,16 @@
 // rounded, then fold_add); only the fp32 summation order differs from the
 // seed kernels.
 //
-// Design (bf16 / f16): one fused kernel per fold. A "pass" is up to MR = 8 * NT
-// rows that share one (adapter, expert) pair, i.e. one A block [R, K] and one
-// B block [N, R] of the pools. It runs on 32 warps: one CTA of 32 warps, or
-// a cluster of C CTAs of 32 / C warps (distributed shared memory).
+// Gather (decode, bf16 / f16): one CTA of 256 threads per (row, column chunk)
+// on the CUDA cores (see "decode: one CTA a row" below): a decode row is a
+// matrix-vector product bound by loads. K not a multiple of 8 takes the seed
+// kernels. (A tensor-core gather that ran a cell's rows as one pass was 1.5-4x
+// slower on every decode case measured but one: docs/perf.md.)
+//
+// Grouped (prefill, bf16 / f16): one fused tensor-core kernel. A "pass" is up
+// to MR = 8 * NT rows that share one (adapter, expert) pair, i.e. one A block
+// [R, K] and one B block [N, R] of the pools. It runs on 32 warps: one CTA of
+// 32 warps, or a cluster of C CTAs of 32 / C warps (distributed shared memory).
 //   1. xa phase: K is cut into 32-wide chunks; chunk c belongs to slice
 //      c % 32 and slice s is warp s of the pass. Each warp streams its chunks
 //      of A and of the pass's x rows with 16-byte loads and multiplies them on
@@ -19,23 +25,11 @@
 //   2. fold phase: the 32 warps split the pass's output columns, compute
 //      delta^T = B_cols . xa^T on the tensor cores (K = R), round, and fold
 //      into base_out (4-byte accesses of two adjacent columns).
-// The summation order of a row's xa and delta depends only on K and R, never
-// on the launch shape or on which rows share its pass: the gather and the
-// grouped fold give the same bits for the same row.
-//
-// Gather (decode): one unit per table cell (l, e) or, when there are fewer
-// rows than cells, per leading row (the first row of its cell), times column
-// chunks. Many active cells: one 1024-thread CTA per unit; few (Mixtral,
-// T = 1): clusters of 8 CTAs of 4 warps, so a cell's A block is read by 8
-// SMs. The CTAs scan `indices` (1/C each, ordered matches shared through
-// distributed shared memory). The pair's A block and B columns are
-// prefetched into L2 before the scan, the output rows before each pass.
-// Grouped (prefill): persistent clusters of 2 CTAs of 16 warps (or one
-// 1024-thread CTA per SM, MOELORA_FAST_GROUPED_C=1) walk the 32-row tiles of
-// the expert spans in round-major order (tile 0 of every expert, then tile 1,
-// ...), so the tiles in flight read the same token range of x (L2 reuse when
-// x_gather = 1); a tile that holds several adapters runs one pass per table
-// row. docs/perf.md has the numbers and what bounds them.
+// Persistent clusters of 2 CTAs of 16 warps (or one 1024-thread CTA per SM,
+// MOELORA_FAST_GROUPED_C=1) walk the 32-row tiles of the expert spans in
+// round-major order (tile 0 of every expert, then tile 1, ...), so the tiles
+// in flight read the same token range of x (L2 reuse when x_gather = 1); a
+// tile that holds several adapters runs one pass per table row.
 //
 // fp32: a simple CUDA-core path (one CTA per row and column chunk), no TF32.
 //
@@ -48,7 +42,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
-#include <string>
 #include <unordered_map>
 
 #include "cuda_common.cuh"
@@ -398,34 +391,7 @@ __device__ void fold_pass(char* smem, const Layout& lay, int parity, int nrows, 
   __syncthreads();  // orow/xrow/xa are rewritten by the next pass
 }
 
-// Prefetch into L2 the output rows of a pass, this CTA's columns.
-template <int C>
-__device__ __forceinline__ void prefetch_out_rows(const char* smem, const Layout& lay, int nrows,
-                                                  const PassArgs& p, int crank) {
-  int64_t clo, chi;
-  int mt0, mt1;
-  cta_cols(p, C, crank, &clo, &chi, &mt0, &mt1);
-  if (chi <= clo) return;
-  const int* s_orow = reinterpret_cast<const int*>(smem + lay.off_orow);
-  const int64_t b0 = clo * 2, b1 = chi * 2;
-  const int64_t lines = ((b1 - 1) >> 7) - (b0 >> 7) + 1;
-  for (int64_t i = threadIdx.x; i < lines * nrows; i += blockDim.x) {
-    const int q = int(i / lines);
-    const int64_t line = (b0 >> 7) + (i - q * lines);
-    const char* row = reinterpret_cast<const char*>(p.out + int64_t(s_orow[q]) * p.N);
-    prefetch_l2(row + max(b0, line << 7));
-  }
-}
-
 // ------------------------------------------------------------ gather -------
-
-struct GatherParams {
-  GatherArgs a;
-  int mode_leader;   // 0: one unit per table cell (l, e); 1: per leading row
-  int64_t n_chunks;  // column chunks per unit
-  int64_t chunk_w;   // columns per chunk (multiple of 16)
-  bool kvec, nvec;
-};
 
 __device__ __forceinline__ bool gather_row_cell(const GatherArgs& a, int64_t row, int* l, int* e) {
   const int64_t ad = a.has_row_adapter ? int64_t(a.row_adapter[row / a.top_k]) : 0;
@@ -437,137 +403,6 @@ __device__ __forceinline__ bool gather_row_cell(const GatherArgs& a, int64_t row
   *l = int(ll);
   *e = int(ee);
   return true;
-}
-
-template <DType D, int NT, int C, int W>
-__global__ void __launch_bounds__(W * 32, 1)
-    gather_fast_kernel(const GatherParams prm) {
-  constexpr int NTH = W * 32;
-  extern __shared__ __align__(16) char smem[];
-  const GatherArgs& a = prm.a;
-  const Layout lay(NT, C, W, int(a.R), 0);
-  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-  int crank = 0;
-  if constexpr (C > 1) crank = int(cg::this_cluster().block_rank());
-  const int64_t cid = blockIdx.x / C;
-  const int64_t unit = cid / prm.n_chunks, chunk = cid % prm.n_chunks;
-  const int64_t col_lo = chunk * prm.chunk_w;
-  if (col_lo >= a.N) return;  // uniform over the cluster
-  const int64_t col_hi = min(a.N, col_lo + prm.chunk_w);
-
-  int l, e;
-  int64_t leader = -1;
-  if (!prm.mode_leader) {
-    l = int(unit / a.route.n_experts);
-    e = int(unit % a.route.n_experts);
-  } else {
-    leader = unit;
-    if (!gather_row_cell(a, leader, &l, &e)) return;
-  }
-  Pair pair;
-  if (!resolve_pair(a.route, l, e, &pair)) return;
-
-  PassArgs p;
-  p.x = static_cast<const uint16_t*>(a.x);
-  p.A = static_cast<const uint16_t*>(a.a_pool) + int64_t(pair.a) * a.R * a.K;
-  p.B = static_cast<const uint16_t*>(a.b_pool) + int64_t(pair.b) * a.N * a.R;
-  p.out = static_cast<uint16_t*>(a.out);
-  p.K = a.K;
-  p.N = a.N;
-  p.R = int(a.R);
-  p.scale = pair.scale;
-  p.kvec = prm.kvec;
-  p.nvec = prm.nvec;
-  p.col_lo = col_lo;
-  p.col_hi = col_hi;
-  // start the pair's A block and this chunk's B columns on their way to L2
-  prefetch_range(p.A, a.R * a.K * 2, crank, C);
-  prefetch_range(p.B + col_lo * a.R, (col_hi - col_lo) * a.R * 2, crank, C);
-
-  int* s_list = reinterpret_cast<int*>(smem + lay.off_list);
-  // s_misc: [0..31] warp counts, [32] this CTA's match count, [33..41] prefix
-  int* s_misc = reinterpret_cast<int*>(smem + lay.off_misc);
-  int* s_orow = reinterpret_cast<int*>(smem + lay.off_orow);
-  int* s_xrow = reinterpret_cast<int*>(smem + lay.off_xrow);
-  int parity = 0;
-  bool first_seen = false, skip = false;
-  const int64_t n = a.n_slots;
-  for (int64_t r0 = 0; r0 < n; r0 += int64_t(C) * kSegCap) {
-    // ---- this CTA's segment of the round, matches in row order ----
-    const int64_t left = n - r0;
-    const int64_t seg = min(int64_t(kSegCap), (left + C - 1) / C);
-    const int64_t s0 = r0 + crank * seg, s1 = min(n, s0 + seg);
-    int count = 0;
-    for (int64_t b = s0; b < s1; b += NTH) {
-      const int64_t row = b + tid;
-      int rl, re;
-      const bool m = row < s1 && gather_row_cell(a, row, &rl, &re) && rl == l && re == e;
-      const unsigned bal = __ballot_sync(0xffffffffu, m);
-      if (lane == 0) s_misc[w] = __popc(bal);
-      __syncthreads();
-      int before = count, all = 0;
-      for (int i = 0; i < W; ++i) {
-        const int ci = s_misc[i];
-        before += i < w ? ci : 0;
-        all += ci;
-      }
-      if (m) s_list[before + __popc(bal & ((1u << lane) - 1u))] = int(row);
-      count += all;
-      __syncthreads();
-    }
-    int* pref = s_misc + 33;  // [C + 1]
-    if constexpr (C > 1) {
-      cg::cluster_group cluster = cg::this_cluster();
-      if (tid == 0) s_misc[32] = count;
-      cluster.sync();
-      if (tid == 0) {
-        int acc = 0;
-        pref[0] = 0;
-#pragma unroll
-        for (int c = 0; c < C; ++c) {
-          acc += *cluster.map_shared_rank(s_misc + 32, c);
-          pref[c + 1] = acc;
-        }
-      }
-    } else {
-      if (tid == 0) {
-        pref[0] = 0;
-        pref[1] = count;
-      }
-    }
-    __syncthreads();
-    const int total = pref[C];
-    auto list_at = [&](int qq) -> int {
-      int c = 0;
-      while (pref[c + 1] <= qq) ++c;
-      if constexpr (C > 1)
-        return *cg::this_cluster().map_shared_rank(s_list + (qq - pref[c]), c);
-      else
-        return s_list[qq];
-    };
-    if (prm.mode_leader && !first_seen && total > 0) {
-      // the leading row must be the first row of its cell, else another
-      // cluster folds the cell
-      first_seen = true;
-      skip = list_at(0) != leader;
-    }
-    if (!skip) {
-      for (int q0 = 0; q0 < total; q0 += NT * 8) {
-        const int nrows = min(NT * 8, total - q0);
-        if (tid < nrows) {
-          const int row = list_at(q0 + tid);
-          s_orow[tid] = row;
-          s_xrow[tid] = a.x_gather ? int(row / a.top_k) : row;
-        }
-        __syncthreads();
-        prefetch_out_rows<C>(smem, lay, nrows, p, crank);
-        fold_pass<D, NT, C, W>(smem, lay, parity, nrows, p, crank);
-        parity ^= 1;
-      }
-    }
-    if constexpr (C > 1) cg::this_cluster().sync();  // remote lists read; exit barrier
-    else __syncthreads();
-  }
 }
 
 // ----------------------------------------------------------- grouped -------
@@ -768,9 +603,9 @@ __global__ void __launch_bounds__(kF32Threads) grouped_f32_kernel(const GroupedA
 
 // A decode row is a matrix-vector product bound by loads, so the default
 // gather kernel gives each (row, column chunk) its own CTA of kRowThreads:
-//   1. warp w takes one eighth of K for every rank j (16 ranks at a time, 16
-//      independent 16-byte loads of A per x vector), fixed butterfly over the
-//      lanes, then the 8 warps' partials in order, rounded to the dtype;
+//   1. warp w computes xa[j] for j = w, w + 8, ...: lanes stride K with
+//      16-byte loads of A and x (fp32 partial sums in k order per lane, then a
+//      fixed butterfly), rounded to the dtype into shared memory;
 //   2. thread t folds columns c0 + t, c0 + t + kRowThreads, ... of the chunk:
 //      delta = round(xa . B[n]) (16-byte loads of the B row, rank order),
 //      out = round(out + scale * delta).
@@ -779,8 +614,6 @@ __global__ void __launch_bounds__(kF32Threads) grouped_f32_kernel(const GroupedA
 // kernels (so moe_lora_fold's gather and sorted paths agree to the "any
 // backend" tolerance, not to the bit, for impl "fast").
 constexpr int kRowThreads = 256;
-constexpr int kRowWarps = kRowThreads / 32;
-constexpr int kRowRanks = 16;  // ranks accumulated at once per lane
 
 template <DType D>
 __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
@@ -808,7 +641,6 @@ template <DType D>
 __global__ void __launch_bounds__(kRowThreads)
     gather_rows_kernel(const GatherArgs a, int64_t chunk_w) {
   __shared__ float s_xa[kMaxRank];
-  __shared__ float s_part[kRowWarps][kMaxRank];
   const int64_t row = blockIdx.x;
   int l, e;
   if (!gather_row_cell(a, row, &l, &e)) return;  // uniform over the CTA
@@ -819,38 +651,16 @@ __global__ void __launch_bounds__(kRowThreads)
   const uint16_t* x =
       static_cast<const uint16_t*>(a.x) + (a.x_gather ? row / a.top_k : row) * a.K;
   const uint16_t* A = static_cast<const uint16_t*>(a.a_pool) + int64_t(pair.a) * R * a.K;
-  // Warp w owns a contiguous range of K (in 16-byte vectors) for every rank j:
-  // each lane keeps 16 loads of A in flight per x vector it reads.
-  const int64_t nvec = a.K / 8;
-  const int64_t per_warp = (nvec + kRowWarps - 1) / kRowWarps;
-  const int64_t v0 = w * per_warp, v1 = min(nvec, v0 + per_warp);
-  for (int j0 = 0; j0 < R; j0 += kRowRanks) {
-    float acc[kRowRanks];
+  for (int j = w; j < R; j += kRowThreads / 32) {
+    const uint16_t* arow = A + int64_t(j) * a.K;
+    float acc = 0.f;
+#pragma unroll 4
+    for (int64_t k = int64_t(lane) * 8; k < a.K; k += 32 * 8)
+      acc = dot8<D>(__ldg(reinterpret_cast<const uint4*>(arow + k)),
+                    __ldg(reinterpret_cast<const uint4*>(x + k)), acc);
 #pragma unroll
-    for (int jj = 0; jj < kRowRanks; ++jj) acc[jj] = 0.f;
-    for (int64_t v = v0 + lane; v < v1; v += 32) {
-      const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + v * 8));
-#pragma unroll
-      for (int jj = 0; jj < kRowRanks; ++jj)
-        if (j0 + jj < R)  // R % 8 == 0, uniform
-          acc[jj] = dot8<D>(
-              __ldg(reinterpret_cast<const uint4*>(A + int64_t(j0 + jj) * a.K + v * 8)), xv,
-              acc[jj]);
-    }
-#pragma unroll
-    for (int jj = 0; jj < kRowRanks; ++jj) {
-      float v = acc[jj];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0 && j0 + jj < R) s_part[w][j0 + jj] = v;
-    }
-  }
-  __syncthreads();
-  for (int j = threadIdx.x; j < R; j += kRowThreads) {  // warps' partials in order
-    float v = s_part[0][j];
-#pragma unroll
-    for (int ww = 1; ww < kRowWarps; ++ww) v += s_part[ww][j];
-    s_xa[j] = h2f<D>(f2h<D>(v));
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) s_xa[j] = h2f<D>(f2h<D>(acc));
   }
   __syncthreads();
   const uint16_t* B = static_cast<const uint16_t*>(a.b_pool) + int64_t(pair.b) * a.N * R;
@@ -917,56 +727,10 @@ cudaError_t launch(void (*kernel)(Params), const Params& prm, int64_t n_ctas, in
   return cudaLaunchKernelEx(&cfg, kernel, prm);
 }
 
-template <DType D, int NT, int C, int W>
-cudaError_t gather_launch(const GatherParams& prm, int64_t n_clusters, cudaStream_t stream) {
-  const int smem = Layout(NT, C, W, int(prm.a.R), 0).total;
-  return launch(gather_fast_kernel<D, NT, C, W>, prm, n_clusters * C, C, W * 32, smem, stream);
-}
-
-template <DType D>
-cudaError_t gather_tc(const GatherArgs& a, cudaStream_t stream) {
-  GatherParams prm;
-  prm.a = a;
-  const int64_t cells = a.route.num_loras * a.route.n_experts;
-  prm.mode_leader = a.n_slots < cells ? 1 : 0;
-  const int64_t units = prm.mode_leader ? a.n_slots : cells;
-  const int64_t active = std::max<int64_t>(1, std::min(cells, a.n_slots));
-  const int sms = sm_count();
-  // many active cells: one CTA of 32 warps per cell (no cluster); few: a
-  // cluster of 8 CTAs of 4 warps per (cell, column chunk), so the A block of
-  // a cell is read by 8 SMs
-  const bool wide = active >= sms / 2;
-  const double avg = double(a.n_slots) / double(active);  // rows per active cell
-  const double need = avg * 1.5 + 4;
-  int64_t chunks = std::max<int64_t>(1, sms / active);
-  const int64_t max_chunks = std::max<int64_t>(1, a.N / (16 * (wide ? 32 : 8)));
-  chunks = std::min(chunks, max_chunks);
-  int64_t cw = (a.N + chunks - 1) / chunks;
-  cw = (cw + 15) / 16 * 16;
-  chunks = (a.N + cw - 1) / cw;
-  prm.n_chunks = chunks;
-  prm.chunk_w = cw;
-  prm.kvec = a.K % 8 == 0 && aligned16(a.x) && aligned16(a.a_pool);
-  prm.nvec = a.N % 2 == 0 && aligned4(a.out);
-  const int64_t n_clusters = units * chunks;
-  if (wide) {
-    if (need <= 8) return gather_launch<D, 1, 1, 32>(prm, n_clusters, stream);
-    return gather_launch<D, 4, 1, 32>(prm, n_clusters, stream);
-  }
-  if (need <= 8) return gather_launch<D, 1, 8, 4>(prm, n_clusters, stream);
-  if (need <= 32) return gather_launch<D, 4, 8, 4>(prm, n_clusters, stream);
-  return gather_launch<D, 8, 8, 4>(prm, n_clusters, stream);
-}
-
-// The one-CTA-a-row kernel needs 16-byte rows of x and A (K % 8 == 0) and
-// aligned pools; MOELORA_FAST_GATHER=tc selects the tensor-core gather.
-bool use_gather_rows(const GatherArgs& a) {
-  static const bool force_tc = [] {
-    const char* v = std::getenv("MOELORA_FAST_GATHER");
-    return v != nullptr && std::string(v) == "tc";
-  }();
-  return !force_tc && a.K % 8 == 0 && aligned16(a.x) && aligned16(a.a_pool) &&
-         aligned16(a.b_pool);
+// The one-CTA-a-row kernel reads x and A rows with 16-byte loads: K % 8 == 0
+// and aligned pools (XLA's buffers are). Other shapes take the seed kernels.
+bool rows_kernel_fits(const GatherArgs& a) {
+  return a.K % 8 == 0 && aligned16(a.x) && aligned16(a.a_pool) && aligned16(a.b_pool);
 }
 
 template <DType D>
@@ -1021,11 +785,11 @@ cudaError_t launch_gather_fast(const GatherArgs& args, cudaStream_t stream) {
   if (args.n_slots <= 0 || args.N <= 0 || args.K <= 0 || args.R <= 0) return cudaSuccess;
   switch (args.dtype) {
     case DType::kBf16:
-      return use_gather_rows(args) ? gather_rows<DType::kBf16>(args, stream)
-                                   : gather_tc<DType::kBf16>(args, stream);
+      return rows_kernel_fits(args) ? gather_rows<DType::kBf16>(args, stream)
+                                    : launch_gather_seed(args, stream);
     case DType::kF16:
-      return use_gather_rows(args) ? gather_rows<DType::kF16>(args, stream)
-                                   : gather_tc<DType::kF16>(args, stream);
+      return rows_kernel_fits(args) ? gather_rows<DType::kF16>(args, stream)
+                                    : launch_gather_seed(args, stream);
     case DType::kF32: {
       const dim3 grid(unsigned(args.n_slots), unsigned((args.N + kF32Cols - 1) / kF32Cols), 1);
       gather_f32_kernel<<<grid, kF32Threads, 0, stream>>>(args);
