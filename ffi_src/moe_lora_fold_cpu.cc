@@ -96,27 +96,46 @@ void fold_row(const typename C::T* xrow, const typename C::T* A, const typename 
   }
 }
 
+// The typed pointers of one fold, with base_out copied into out first when
+// XLA did not alias them; fold(row, x_row, pair) folds one row.
+template <class C>
+struct FoldBuffers {
+  using T = typename C::T;
+  const T *x, *a_pool, *b_pool;
+  T *out, *xa;
+  Dims d;
+
+  FoldBuffers(ffi::AnyBuffer xb, ffi::AnyBuffer base, ffi::AnyBuffer ab, ffi::AnyBuffer bb,
+              ffi::Result<ffi::AnyBuffer> ob, ffi::Result<ffi::AnyBuffer> xab, const Dims& dims)
+      : x(static_cast<const T*>(xb.untyped_data())),
+        a_pool(static_cast<const T*>(ab.untyped_data())),
+        b_pool(static_cast<const T*>(bb.untyped_data())),
+        out(static_cast<T*>(ob->untyped_data())),
+        xa(static_cast<T*>(xab->untyped_data())),
+        d(dims) {
+    if (ob->untyped_data() != base.untyped_data())
+      std::memcpy(out, base.untyped_data(), base.size_bytes());
+  }
+
+  void fold(int64_t row, int64_t x_row, const Pair& p) const {
+    fold_row<C>(x + x_row * d.K, a_pool + int64_t(p.a) * d.R * d.K,
+                b_pool + int64_t(p.b) * d.N * d.R, d.K, d.R, d.N, p.scale, xa + row * d.R,
+                out + row * d.N);
+  }
+};
+
 template <class C>
 void gather_impl(ffi::AnyBuffer x, ffi::AnyBuffer base, const int32_t* indices,
                  const int32_t* row_adapter, bool has_ra, ffi::AnyBuffer a_pool,
                  ffi::AnyBuffer b_pool, const RouteView& route, const Dims& d, int64_t top_k,
                  bool x_gather, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> xa) {
-  using T = typename C::T;
   const int64_t n_slots = base.dimensions()[0];
-  T* o = reinterpret_cast<T*>(out->untyped_data());
-  if (out->untyped_data() != base.untyped_data())
-    std::memcpy(o, base.untyped_data(), base.size_bytes());
-  const T* xp = reinterpret_cast<const T*>(x.untyped_data());
-  const T* ap = reinterpret_cast<const T*>(a_pool.untyped_data());
-  const T* bp = reinterpret_cast<const T*>(b_pool.untyped_data());
-  T* xap = reinterpret_cast<T*>(xa->untyped_data());
+  const FoldBuffers<C> buf(x, base, a_pool, b_pool, out, xa, d);
   for (int64_t row = 0; row < n_slots; ++row) {
     const int64_t t = row / top_k;
     Pair p;
     if (!resolve_pair(route, has_ra ? row_adapter[t] : 0, indices[row], &p)) continue;
-    const T* xrow = xp + (x_gather ? t : row) * d.K;
-    fold_row<C>(xrow, ap + int64_t(p.a) * d.R * d.K, bp + int64_t(p.b) * d.N * d.R, d.K, d.R,
-                d.N, p.scale, xap + row * d.R, o + row * d.N);
+    buf.fold(row, x_gather ? t : row, p);
   }
 }
 
@@ -126,15 +145,8 @@ void grouped_impl(ffi::AnyBuffer x, ffi::AnyBuffer base, const int32_t* offsets,
                   bool has_ra, int64_t num_ra, ffi::AnyBuffer a_pool, ffi::AnyBuffer b_pool,
                   const RouteView& route, const Dims& d, int64_t row_offset, int64_t row_end,
                   bool x_gather, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> xa) {
-  using T = typename C::T;
   const int64_t te = base.dimensions()[0];
-  T* o = reinterpret_cast<T*>(out->untyped_data());
-  if (out->untyped_data() != base.untyped_data())
-    std::memcpy(o, base.untyped_data(), base.size_bytes());
-  const T* xp = reinterpret_cast<const T*>(x.untyped_data());
-  const T* ap = reinterpret_cast<const T*>(a_pool.untyped_data());
-  const T* bp = reinterpret_cast<const T*>(b_pool.untyped_data());
-  T* xap = reinterpret_cast<T*>(xa->untyped_data());
+  const FoldBuffers<C> buf(x, base, a_pool, b_pool, out, xa, d);
   const int64_t num_tokens = x_gather ? x.dimensions()[0] : num_ra;
   const int64_t lo = row_offset < 0 ? 0 : row_offset, hi = row_end < te ? row_end : te;
   for (int64_t r = lo; r < hi; ++r) {
@@ -146,9 +158,7 @@ void grouped_impl(ffi::AnyBuffer x, ffi::AnyBuffer base, const int32_t* offsets,
       continue;
     Pair p;
     if (!resolve_pair(route, adapter, e, &p)) continue;
-    const T* xrow = xp + (x_gather ? tok : r) * d.K;
-    fold_row<C>(xrow, ap + int64_t(p.a) * d.R * d.K, bp + int64_t(p.b) * d.N * d.R, d.K, d.R,
-                d.N, p.scale, xap + r * d.R, o + r * d.N);
+    buf.fold(r, x_gather ? tok : r, p);
   }
 }
 

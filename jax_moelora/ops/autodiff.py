@@ -250,22 +250,12 @@ def gather_bgmv(x, base_out, indices, route: MoeExpertRoute, row_adapter, *, top
 def _grouped_rows(cfg: GroupedCfg, x_rows: int, expert_offsets, sorted_token_ids, route,
                   row_adapter):
     """Per window row: ``(xi, cell, ok)``, the same rules as ``grouped_down_jnp``."""
-    lo, hi = cfg.row_offset, cfg.row_end
-    num_experts = expert_offsets.shape[0] - 1
-    r = jnp.arange(lo, hi, dtype=jnp.int32)
-    e = jnp.searchsorted(expert_offsets, r, side="right").astype(jnp.int32) - 1
-    ec = jnp.clip(e, 0, num_experts - 1)
-    in_span = (e >= 0) & (e < num_experts) & (r < expert_offsets[ec + 1])
-    e = jnp.where(in_span, e, -1)
-    tok = sorted_token_ids[r]
-    ok_tok = jnp.ones_like(in_span)
-    limit = x_rows if cfg.x_gather else (1 if row_adapter is None else row_adapter.shape[0])
-    if cfg.x_gather or row_adapter is not None:
-        ok_tok = (tok >= 0) & (tok < limit)
-    tokc = jnp.clip(tok, 0, limit - 1)
-    adapter = jnp.zeros_like(r) if row_adapter is None else row_adapter[tokc]
+    e, tok, adapter, ok_tok = jnp_fold.grouped_rows(
+        expert_offsets, sorted_token_ids, row_adapter, x_rows=x_rows, row_offset=cfg.row_offset,
+        row_end=cfg.row_end, x_gather=cfg.x_gather)
     cell, ok = _cells(route, adapter, e)
-    return (tokc if cfg.x_gather else r), cell, ok & ok_tok
+    xi = tok if cfg.x_gather else jnp.arange(cfg.row_offset, cfg.row_end, dtype=jnp.int32)
+    return xi, cell, ok & ok_tok
 
 
 @functools.cache

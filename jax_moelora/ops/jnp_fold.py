@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from jax_moelora.tables import MoeExpertRoute
 
-__all__ = ["resolve_pairs", "apply_rows", "gather_bgmv_jnp", "grouped_down_jnp"]
+__all__ = ["resolve_pairs", "apply_rows", "gather_bgmv_jnp", "grouped_rows", "grouped_down_jnp"]
 
 # Rows folded per step of the chunked per-row gather (bounds the memory of
 # the gathered A/B blocks: CHUNK * R * (K + N) elements).
@@ -78,8 +78,16 @@ def gather_bgmv_jnp(x, base_out, indices, route, row_adapter, *, top_k: int, x_g
     return apply_rows(xr, base_out, a, b, s, ok, route)
 
 
-def grouped_down_jnp(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter, *,
-                     row_offset: int, row_end: int, x_gather: int):
+def grouped_rows(expert_offsets, sorted_token_ids, row_adapter, *, x_rows: int,
+                 row_offset: int, row_end: int, x_gather: int):
+    """The grouped fold's per-row rules for the window ``[row_offset, row_end)``.
+
+    Returns ``(expert, token, adapter, ok_token)``, int32/bool ``[window]``:
+    the expert whose span holds each sorted row (-1 when none does), its token
+    (clamped), its row-adapter value (0 without a map), and whether the token
+    is inside ``[0, limit)`` where it is needed (``x_gather=1``: ``x_rows``;
+    with a map: its length).
+    """
     num_experts = expert_offsets.shape[0] - 1
     r = jnp.arange(row_offset, row_end, dtype=jnp.int32)
     e = jnp.searchsorted(expert_offsets, r, side="right").astype(jnp.int32) - 1
@@ -87,15 +95,22 @@ def grouped_down_jnp(x, base_out, expert_offsets, sorted_token_ids, route, row_a
     in_span = (e >= 0) & (e < num_experts) & (r < expert_offsets[ec + 1])
     e = jnp.where(in_span, e, -1)
     tok = sorted_token_ids[r]
+    limit = x_rows if x_gather else (1 if row_adapter is None else row_adapter.shape[0])
     ok_tok = jnp.ones_like(in_span)
     if x_gather or row_adapter is not None:
-        limit = x.shape[0] if x_gather else row_adapter.shape[0]
         ok_tok = (tok >= 0) & (tok < limit)
-    tokc = jnp.clip(tok, 0, (x.shape[0] if x_gather else 1 if row_adapter is None
-                            else row_adapter.shape[0]) - 1)
+    tokc = jnp.clip(tok, 0, limit - 1)
     adapter = jnp.zeros_like(r) if row_adapter is None else row_adapter[tokc]
+    return e, tokc, adapter, ok_tok
+
+
+def grouped_down_jnp(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter, *,
+                     row_offset: int, row_end: int, x_gather: int):
+    e, tok, adapter, ok_tok = grouped_rows(expert_offsets, sorted_token_ids, row_adapter,
+                                           x_rows=x.shape[0], row_offset=row_offset,
+                                           row_end=row_end, x_gather=x_gather)
     a, b, s, ok = resolve_pairs(route, adapter, e)
     ok = ok & ok_tok
-    xr = x[tokc] if x_gather else x[row_offset:row_end]
+    xr = x[tok] if x_gather else x[row_offset:row_end]
     folded = apply_rows(xr, base_out[row_offset:row_end], a, b, s, ok, route)
     return jax.lax.dynamic_update_slice_in_dim(base_out, folded, row_offset, axis=0)
