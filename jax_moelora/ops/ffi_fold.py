@@ -27,6 +27,8 @@ def _call(target, base_out, route: MoeExpertRoute, operands, **attrs):
     rows = base_out.shape[0]
     out_types = (jax.ShapeDtypeStruct(base_out.shape, base_out.dtype),
                  jax.ShapeDtypeStruct((rows, route.max_rank), base_out.dtype))
+    # Batching is ops/batching.py's custom_vmap (one launch over the flattened
+    # rows); "sequential" only backs a vmap that would bypass it.
     call = jax.ffi.ffi_call(target, out_types, input_output_aliases={1: 0},
                             vmap_method="sequential")
     out, _xa = call(*operands, route.a_pool, route.b_pool, route.a_table, route.b_table,
