@@ -21,7 +21,8 @@ python3 -m jax_moelora info >> "$R/build.log" 2>&1
 ) &
 (
   export CUDA_VISIBLE_DEVICES=$(( NGPU > 1 ? 1 : 0 ))
-  step bench; timeout 400 python3 -m jax_moelora bench --ranks 16 --tokens 1,64,256,4096 --methods fast,einsum,ragged_dot --out "$R/bench" > "$R/bench.log" 2>&1; step "bench rc=$?"
+  step seed_vs_jnp; timeout 120 python3 -m jax_moelora bench --models qwen --projs gate --tokens 64,4096 --ranks 16 --adapters 1 --methods seed,jnp --no-plot --out "$R/seed_jnp" > "$R/seed_jnp.log" 2>&1; step "seed_vs_jnp rc=$?"
+  step bench; timeout 300 python3 -m jax_moelora bench --ranks 16 --tokens 1,64,256,4096 --methods fast,einsum,ragged_dot --out "$R/bench" > "$R/bench.log" 2>&1; step "bench rc=$?"
 ) &
 wait
 if [ "$NGPU" -gt 1 ]; then
