@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
 #include "fold_common.h"
 #include "xla/ffi/api/ffi.h"
@@ -107,16 +108,28 @@ inline xla::ffi::Error cuda_dtype(xla::ffi::DataType t, DType* out) {
   }
 }
 
-// Copy base_out into out when XLA did not alias them, then launch `variant`.
-// Shared by both CUDA handlers.
-inline cudaError_t prepare_out(const void* base, void* out, size_t bytes, cudaStream_t stream) {
-  if (base == out) return cudaSuccess;
-  return cudaMemcpyAsync(out, base, bytes, cudaMemcpyDeviceToDevice, stream);
-}
-
 // The tuned kernels (moe_lora_fast.cu). They fold exactly like the seed
 // kernels (same skip rules, same roundings; summation order may differ).
 cudaError_t launch_gather_fast(const GatherArgs& args, cudaStream_t stream);
 cudaError_t launch_grouped_fast(const GroupedArgs& args, cudaStream_t stream);
+
+// The tail of both CUDA handlers: copy base_out into out when XLA did not
+// alias them, launch `variant` (when `launch`: the window holds rows), and
+// turn a CUDA error into an FFI error naming `op`.
+template <class Args>
+xla::ffi::Error launch_variant(const char* op, int64_t variant, const Args& args,
+                               cudaError_t (*seed)(const Args&, cudaStream_t),
+                               cudaError_t (*fast)(const Args&, cudaStream_t), const void* base,
+                               size_t bytes, bool launch, cudaStream_t stream) {
+  if (variant != kVariantSeed && variant != kVariantFast)
+    return xla::ffi::Error::InvalidArgument(std::string(op) + ": unknown variant");
+  cudaError_t err = cudaSuccess;
+  if (base != args.out)
+    err = cudaMemcpyAsync(args.out, base, bytes, cudaMemcpyDeviceToDevice, stream);
+  if (err == cudaSuccess && launch) err = (variant == kVariantSeed ? seed : fast)(args, stream);
+  if (err != cudaSuccess)
+    return xla::ffi::Error::Internal(std::string(op) + ": " + cudaGetErrorString(err));
+  return xla::ffi::Error::Success();
+}
 
 }  // namespace moelora

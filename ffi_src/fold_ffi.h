@@ -39,9 +39,16 @@ inline ffi::Error check_route(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+// Every check of a moe_lora_gather_bgmv call; fills the dims and the route.
 inline ffi::Error check_gather(ffi::AnyBuffer x, ffi::AnyBuffer base,
                                ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> row_adapter,
-                               int64_t top_k, int64_t x_gather, int64_t has_row_adapter) {
+                               ffi::AnyBuffer a_pool, ffi::AnyBuffer b_pool,
+                               ffi::Buffer<ffi::S32> a_table, ffi::Buffer<ffi::S32> b_table,
+                               ffi::Buffer<ffi::F32> scale_table, int64_t top_k, int64_t x_gather,
+                               int64_t has_row_adapter, Dims* d, RouteView* route) {
+  if (auto e = check_route(x, base, a_pool, b_pool, a_table, b_table, scale_table, d, route);
+      e.failure())
+    return e;
   const int64_t n_slots = base.dimensions()[0];
   if (top_k < 1 || n_slots % top_k || int64_t(indices.element_count()) != n_slots)
     return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: bad top_k or indices length");
@@ -52,13 +59,19 @@ inline ffi::Error check_gather(ffi::AnyBuffer x, ffi::AnyBuffer base,
   return ffi::Error::Success();
 }
 
+// Every check of a moe_lora_grouped_down call; fills the dims and the route.
 inline ffi::Error check_grouped(ffi::AnyBuffer x, ffi::AnyBuffer base,
                                 ffi::Buffer<ffi::S32> expert_offsets,
-                                ffi::Buffer<ffi::S32> sorted_token_ids, const RouteView& route,
-                                int64_t x_gather) {
+                                ffi::Buffer<ffi::S32> sorted_token_ids, ffi::AnyBuffer a_pool,
+                                ffi::AnyBuffer b_pool, ffi::Buffer<ffi::S32> a_table,
+                                ffi::Buffer<ffi::S32> b_table, ffi::Buffer<ffi::F32> scale_table,
+                                int64_t x_gather, Dims* d, RouteView* route) {
+  if (auto e = check_route(x, base, a_pool, b_pool, a_table, b_table, scale_table, d, route);
+      e.failure())
+    return e;
   const int64_t te = base.dimensions()[0];
   const int64_t num_experts = int64_t(expert_offsets.element_count()) - 1;
-  if (num_experts < route.n_experts || int64_t(sorted_token_ids.element_count()) != te)
+  if (num_experts < route->n_experts || int64_t(sorted_token_ids.element_count()) != te)
     return ffi::Error::InvalidArgument("moe_lora_grouped_down: offsets or sorted ids length");
   if (!x_gather && x.dimensions()[0] != te)
     return ffi::Error::InvalidArgument("moe_lora_grouped_down: x rows do not match x_gather");

@@ -189,10 +189,8 @@ ffi::Error GatherBgmvCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::Buffer<
   (void)variant;  // one CPU implementation serves every variant
   Dims d;
   RouteView route;
-  if (auto e = check_route(x, base, a_pool, b_pool, a_table, b_table, scale_table, &d, &route);
-      e.failure())
-    return e;
-  if (auto e = check_gather(x, base, indices, row_adapter, top_k, x_gather, has_row_adapter);
+  if (auto e = check_gather(x, base, indices, row_adapter, a_pool, b_pool, a_table, b_table,
+                            scale_table, top_k, x_gather, has_row_adapter, &d, &route);
       e.failure())
     return e;
   return dispatch<GatherFn>(base.element_type(), x, base, indices.typed_data(),
@@ -212,10 +210,8 @@ ffi::Error GroupedDownCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base,
   (void)variant;
   Dims d;
   RouteView route;
-  if (auto e = check_route(x, base, a_pool, b_pool, a_table, b_table, scale_table, &d, &route);
-      e.failure())
-    return e;
-  if (auto e = check_grouped(x, base, expert_offsets, sorted_token_ids, route, x_gather);
+  if (auto e = check_grouped(x, base, expert_offsets, sorted_token_ids, a_pool, b_pool, a_table,
+                             b_table, scale_table, x_gather, &d, &route);
       e.failure())
     return e;
   const int64_t num_experts = int64_t(expert_offsets.element_count()) - 1;

@@ -98,10 +98,8 @@ ffi::Error GatherBgmvCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
                               int64_t has_row_adapter, int64_t variant) {
   Dims d;
   RouteView route;
-  if (auto e = check_route(x, base, a_pool, b_pool, a_table, b_table, scale_table, &d, &route);
-      e.failure())
-    return e;
-  if (auto e = check_gather(x, base, indices, row_adapter, top_k, x_gather, has_row_adapter);
+  if (auto e = check_gather(x, base, indices, row_adapter, a_pool, b_pool, a_table, b_table,
+                            scale_table, top_k, x_gather, has_row_adapter, &d, &route);
       e.failure())
     return e;
   DType dtype;
@@ -122,17 +120,8 @@ ffi::Error GatherBgmvCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
                   d.R,
                   top_k,
                   x_gather != 0};
-  cudaError_t err = prepare_out(base.untyped_data(), out->untyped_data(), base.size_bytes(), stream);
-  if (err == cudaSuccess) {
-    switch (variant) {
-      case kVariantSeed: err = launch_gather_seed(args, stream); break;
-      case kVariantFast: err = launch_gather_fast(args, stream); break;
-      default: return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: unknown variant");
-    }
-  }
-  if (err != cudaSuccess)
-    return ffi::Error::Internal(std::string("moe_lora_gather_bgmv: ") + cudaGetErrorString(err));
-  return ffi::Error::Success();
+  return launch_variant("moe_lora_gather_bgmv", variant, args, launch_gather_seed,
+                        launch_gather_fast, base.untyped_data(), base.size_bytes(), true, stream);
 }
 
 }  // namespace

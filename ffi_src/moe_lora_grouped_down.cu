@@ -131,10 +131,8 @@ ffi::Error GroupedDownCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
                                int64_t has_row_adapter, int64_t variant) {
   Dims d;
   RouteView route;
-  if (auto e = check_route(x, base, a_pool, b_pool, a_table, b_table, scale_table, &d, &route);
-      e.failure())
-    return e;
-  if (auto e = check_grouped(x, base, expert_offsets, sorted_token_ids, route, x_gather);
+  if (auto e = check_grouped(x, base, expert_offsets, sorted_token_ids, a_pool, b_pool, a_table,
+                             b_table, scale_table, x_gather, &d, &route);
       e.failure())
     return e;
   if (route.n_experts > kMaxGridZ)
@@ -163,17 +161,9 @@ ffi::Error GroupedDownCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
                    std::max<int64_t>(0, row_offset),
                    std::min<int64_t>(te, row_end),
                    x_gather != 0};
-  cudaError_t err = prepare_out(base.untyped_data(), out->untyped_data(), base.size_bytes(), stream);
-  if (err == cudaSuccess && args.row_offset < args.row_end) {
-    switch (variant) {
-      case kVariantSeed: err = launch_grouped_seed(args, stream); break;
-      case kVariantFast: err = launch_grouped_fast(args, stream); break;
-      default: return ffi::Error::InvalidArgument("moe_lora_grouped_down: unknown variant");
-    }
-  }
-  if (err != cudaSuccess)
-    return ffi::Error::Internal(std::string("moe_lora_grouped_down: ") + cudaGetErrorString(err));
-  return ffi::Error::Success();
+  return launch_variant("moe_lora_grouped_down", variant, args, launch_grouped_seed,
+                        launch_grouped_fast, base.untyped_data(), base.size_bytes(),
+                        args.row_offset < args.row_end, stream);
 }
 
 }  // namespace
