@@ -991,15 +991,28 @@ __global__ void __launch_bounds__(kCellThreads, 2) gather_cells_kernel(const Gat
   int* s_orow = reinterpret_cast<int*>(smem + lay.off_orow);
   int* s_misc = reinterpret_cast<int*>(smem + lay.off_misc);
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  // the pair's A block and this CTA's B columns start for L2 during the scan
+  prefetch_range(A, int64_t(R) * a.K * 2, 0, 1);
+  prefetch_range(B + c0 * R, (c1 - c0) * R * 2, 0, 1);
   for (int64_t seg = 0; seg < a.n_slots; seg += kSegCap) {
     // this segment's rows of the cell, in row order
+    // (every id of the thread's rows is loaded before any is tested: one
+    // round trip, not one per row; same test as gather_row_cell)
+    constexpr int kPer = kSegCap / kCellThreads;
     const int64_t seg_end = min(a.n_slots, seg + kSegCap);
+    const int64_t r0 = seg + int64_t(tid) * kPer;
+    int ids[kPer], ads[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const bool in = r0 + i < seg_end;
+      ids[i] = in ? a.indices[r0 + i] : -1;
+      ads[i] = in && a.has_row_adapter ? a.row_adapter[(r0 + i) / a.top_k] : 0;
+    }
     unsigned mask = 0;
 #pragma unroll
-    for (int i = 0; i < kSegCap / kCellThreads; ++i) {
-      const int64_t r = seg + int64_t(tid) * (kSegCap / kCellThreads) + i;
-      int rl, re;
-      if (r < seg_end && gather_row_cell(a, r, &rl, &re) && rl == l && re == e) mask |= 1u << i;
+    for (int i = 0; i < kPer; ++i) {
+      const int64_t ll = a.route.num_loras == 1 ? 0 : ads[i];
+      if (ids[i] == e && ads[i] >= 0 && ll == l) mask |= 1u << i;
     }
     const int cnt = __popc(mask);
     int incl = cnt;
@@ -1019,8 +1032,7 @@ __global__ void __launch_bounds__(kCellThreads, 2) gather_cells_kernel(const Gat
     }
 #pragma unroll
     for (int i = 0; i < kSegCap / kCellThreads; ++i)
-      if ((mask >> i) & 1u) s_list[pos++] = int(seg + int64_t(tid) * (kSegCap / kCellThreads) + i);
-    if (seg == 0) prefetch_range(B + c0 * R, (c1 - c0) * R * 2, 0, 1);
+      if ((mask >> i) & 1u) s_list[pos++] = int(r0 + i);
     __syncthreads();
     for (int b = 0; b < total; b += lay.mr) {
       const int nrows = min(lay.mr, total - b);

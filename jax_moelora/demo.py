@@ -8,7 +8,9 @@ key layouts) into a temporary folder, and loaded back into one adapter pool.
 A mixed batch of streams (base model + the three adapters) runs a prefill
 and ``--steps`` greedy decode steps through one jitted step function; every
 layer's output is checked against the pure-JAX folds (``impl="jnp"``) on the
-same layer input, with the tolerances of SPEC section 6.
+same layer input, within three times the per-fold tolerance of SPEC section 6
+(three folds chain in a layer), and the base-model streams must keep the bits
+the same step gives with every stream on the base model.
 
 ``--timing`` measures instead the decode-step time of a stack of
 Qwen3-30B-A3B-shaped MoE layers (``--size full``: E 128, top_k 8, hidden
@@ -48,6 +50,9 @@ SIZES = {
 
 #: SPEC section 6: relative error of the LoRA delta by norm, per dtype.
 TOLERANCES = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5}
+#: A layer's output goes through three chained folds (gate, up, then down on
+#: their product), so the demo allows each layer this many per-fold tolerances.
+BLOCK_FOLDS = 3
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -287,12 +292,13 @@ class _Check:
     base_bitwise: bool = True
     finite: bool = True
 
-    def update(self, outs, ref, base, ids) -> None:
+    def update(self, outs, ref, base, own_base, ids) -> None:
+        """``own_base``: the same step run with every stream on the base model."""
+        self.base_bitwise &= bool(np.array_equal(np.asarray(outs)[:, ids < 0],
+                                                 np.asarray(own_base)[:, ids < 0]))
         outs, ref, base = (np.asarray(v, np.float64) for v in (outs, ref, base))
         self.finite &= bool(np.isfinite(outs).all())
-        adapted, plain = ids >= 0, ids < 0
-        if plain.any():
-            self.base_bitwise &= bool(np.array_equal(outs[:, plain], base[:, plain]))
+        adapted = ids >= 0
         if adapted.any():
             for lay in range(outs.shape[0]):
                 o, r, b = outs[lay, adapted], ref[lay, adapted], base[lay, adapted]
@@ -359,7 +365,7 @@ def _run_demo(args, impl: str, console) -> int:
         t0 = time.perf_counter()
         nxt, ins, outs = jax.block_until_ready(step(state, prompts.reshape(-1), prefill_ids))
         prefill_s = time.perf_counter() - t0
-        calls = [(ins, outs, prefill_ids)]
+        calls = [(prompts.reshape(-1), ins, outs, prefill_ids)]
         tokens = np.asarray(nxt).reshape(streams, plen)[:, -1]
         generated = [tokens]
         progress.advance(task)
@@ -370,20 +376,21 @@ def _run_demo(args, impl: str, console) -> int:
             t0 = time.perf_counter()
             nxt, ins, outs = jax.block_until_ready(step(state, tokens, stream_ids))
             step_s.append(time.perf_counter() - t0)
-            calls.append((ins, outs, stream_ids))
+            calls.append((tokens, ins, outs, stream_ids))
             tokens = np.asarray(nxt)
             generated.append(tokens)
             progress.advance(task)
 
         task = progress.add_task("check vs impl='jnp'", total=len(calls))
         check = _Check()
-        for ins, outs, ids in calls:
+        for toks, ins, outs, ids in calls:
             ref, base = _reference(model, ins, ids)
-            check.update(outs, ref, base, np.asarray(ids))
+            own_base = step(state, toks, np.full_like(ids, -1))[2]
+            check.update(outs, ref, base, own_base, np.asarray(ids))
             progress.advance(task)
     total_s = time.perf_counter() - t_start
 
-    tol = TOLERANCES[dtype]
+    tol = BLOCK_FOLDS * TOLERANCES[dtype]
     ok_num = check.num <= tol and check.finite
     ok_rt = roundtrip <= 1e-5
     passed = ok_num and check.base_bitwise and ok_rt

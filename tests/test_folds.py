@@ -299,7 +299,14 @@ def test_jit_gives_the_eager_bits(rng, impl, op):
     case = _case(rng, op, num_loras=4, x_gather=1)
     over = {"gather_max_rows": 0} if op == "fold_sorted" else {}
     jitted = case.run(impl, jit=True, **over)
-    np.testing.assert_array_equal(bits(jitted), bits(case.run(impl, jit=False, **over)))
+    eager = case.run(impl, jit=False, **over)
+    if concrete_impl(impl) == "jnp" and jax.default_backend() != "cpu":
+        # XLA:GPU may sum jnp's dots in another fp32 order once they are fused
+        # under jit: both runs match the reference and skip the same rows
+        np.testing.assert_array_equal(bits(jitted[~case.fold_rows]), bits(eager[~case.fold_rows]))
+        _check(case, eager, impl)
+    else:
+        np.testing.assert_array_equal(bits(jitted), bits(eager))
     _check(case, jitted, impl)
 
 

@@ -27,8 +27,11 @@ IMPLS = ["jnp", "auto"]  # auto: the C++ handlers on CPU, the CUDA kernels on a 
 
 
 def exact(impl: str) -> bool:
-    """Backends whose per-row results do not depend on the rest of the batch."""
-    return resolve_impl(impl) in ("jnp", "cpu")
+    """Backends whose per-row results depend neither on the rest of the batch
+    nor on the program around them: the C++ handlers, and jnp on the CPU
+    (XLA:GPU fuses jnp's folds into their neighbours, program by program)."""
+    concrete = resolve_impl(impl)
+    return concrete == "cpu" or (concrete == "jnp" and jax.default_backend() == "cpu")
 
 
 def make_block(seed=0, **kw) -> MoEBlock:
@@ -156,10 +159,14 @@ def test_mixed_batch_equals_each_adapter_alone(adapter_dirs, impl, grouped):
         alone = np.asarray(f(block, x, jnp.full_like(ids, slot)))
         check(mixed[ids_np == slot], alone[ids_np == slot])
         assert not np.allclose(alone, np.asarray(block(x, None)))  # the adapter does something
-    base = np.asarray(f(block, x, None))
+    # base tokens bit-identical to the same program with every token on the
+    # base model, and (custom calls, or the CPU) to the program without LoRA
+    all_base = np.asarray(f(block, x, jnp.full_like(ids, -1)))
     plain = (ids_np < 0) | (ids_np >= 3)
-    np.testing.assert_array_equal(mixed[plain], base[plain])  # base tokens bit-identical
-    np.testing.assert_array_equal(np.asarray(f(block, x, jnp.full_like(ids, -1))), base)
+    np.testing.assert_array_equal(mixed[plain], all_base[plain])
+    base = np.asarray(f(block, x, None))
+    (np.testing.assert_array_equal if exact(impl) or resolve_impl(impl) != "jnp" else check)(
+        all_base, base)
 
 
 def test_paths_agree(adapter_dirs):
