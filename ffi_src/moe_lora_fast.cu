@@ -11,7 +11,12 @@
 // kernels. (A tensor-core gather that ran a cell's rows as one pass was 1.5-4x
 // slower on every decode case measured but one: docs/perf.md.)
 //
-// Grouped (prefill, bf16 / f16): one fused tensor-core kernel. A "pass" is up
+// Grouped (prefill, bf16 / f16): the cells kernel (v4, "prefill: cells
+// kernel" below): tiles of up to 64 rows, A and x streamed through a cp.async
+// pipeline, tensor cores for both products. Tiles shared by several adapters
+// at K >= 4096 (or MOELORA_FAST_GROUPED=tc) take the v2b kernel:
+//
+// v2b, one fused tensor-core kernel. A "pass" is up
 // to MR = 8 * NT rows that share one (adapter, expert) pair, i.e. one A block
 // [R, K] and one B block [N, R] of the pools. It runs on 32 warps: one CTA of
 // 32 warps, or a cluster of C CTAs of 32 / C warps (distributed shared memory).
@@ -677,10 +682,10 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-// ------------------------------------------- cells: fold a row list --------
+// ---------------------------------------- prefill: cells kernel (v4) ------
 //
-// v4 (docs/perf.md). A "batch" is up to MR = 8 * NRG rows that fold with one
-// pair: one A block [R, K], one B block [N, R]. One CTA of kCellThreads:
+// A "batch" is up to MR = 8 * NRG rows of one tile that fold with one pair:
+// one A block [R, K], one B block [N, R]. One CTA of kCellThreads:
 //  1. shrink on the tensor cores: K streams in chunks of kCellKc through an
 //     S-stage cp.async pipeline (the chunk of A for RP ranks and of the
 //     batch's x rows, in shared memory, up to S chunks in flight); warp w
@@ -691,10 +696,10 @@ __global__ void __launch_bounds__(kRowThreads)
 //  2. expand on the tensor cores: the warps split the CTA's output columns
 //     in 16-column tiles, delta^T = B_cols . xa^T (K = R), rounded, folded
 //     into base_out.
-// Gather: one CTA per (table cell, column chunk): it scans `indices` (2048
-// rows at a time) for the rows of its cell, in row order, MR at a time.
-// Grouped: persistent CTAs walk the MR-row tiles of the expert spans in
-// round-major order; a tile's rows with one table row form a batch.
+// Persistent CTAs walk the MR-row tiles of the expert spans in round-major
+// order; a tile's rows with one table row form a batch. (The same device
+// code run as one CTA per (table cell, column chunk) over the unsorted
+// decode rows was 1.5-5x slower than the one-CTA-a-row gather: docs/perf.md.)
 
 constexpr int kCellThreads = 256;
 constexpr int kCellWarps = kCellThreads / 32;
@@ -721,7 +726,7 @@ struct CellLayout {
     int o = 0;
     off_stage = o; o += stages * stage > wbuf ? stages * stage : wbuf;
     off_xa = o; o += (mr * xs * 2 + 15) / 16 * 16;
-    off_list = o; o += kSegCap * 4;
+    off_list = o; o += 128 * 4;  // the tile's table rows and tokens
     off_xrow = o; o += mr * 4;
     off_orow = o; o += mr * 4;
     off_misc = o; o += 64 * 4;
@@ -972,86 +977,6 @@ struct CellParams {
 };
 
 template <DType D, int NRG>
-__global__ void __launch_bounds__(kCellThreads, 2) gather_cells_kernel(const GatherArgs a,
-                                                                     const CellParams cp) {
-  extern __shared__ __align__(128) char smem[];
-  const CellLayout lay(NRG, int(a.R), cp.stages);
-  const int64_t E = a.route.n_experts;
-  const int l = int(blockIdx.x / E), e = int(blockIdx.x % E);
-  Pair pair;
-  if (!resolve_pair(a.route, l, e, &pair)) return;  // uniform over the CTA
-  const int64_t c0 = int64_t(blockIdx.y) * cp.chunk_w, c1 = min(a.N, c0 + cp.chunk_w);
-  const int R = int(a.R);
-  const uint16_t* A = static_cast<const uint16_t*>(a.a_pool) + int64_t(pair.a) * R * a.K;
-  const uint16_t* B = static_cast<const uint16_t*>(a.b_pool) + int64_t(pair.b) * a.N * R;
-  const uint16_t* x = static_cast<const uint16_t*>(a.x);
-  uint16_t* out = static_cast<uint16_t*>(a.out);
-  int* s_list = reinterpret_cast<int*>(smem + lay.off_list);
-  int* s_xrow = reinterpret_cast<int*>(smem + lay.off_xrow);
-  int* s_orow = reinterpret_cast<int*>(smem + lay.off_orow);
-  int* s_misc = reinterpret_cast<int*>(smem + lay.off_misc);
-  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-  // the pair's A block and this CTA's B columns start for L2 during the scan
-  prefetch_range(A, int64_t(R) * a.K * 2, 0, 1);
-  prefetch_range(B + c0 * R, (c1 - c0) * R * 2, 0, 1);
-  for (int64_t seg = 0; seg < a.n_slots; seg += kSegCap) {
-    // this segment's rows of the cell, in row order
-    // (every id of the thread's rows is loaded before any is tested: one
-    // round trip, not one per row; same test as gather_row_cell)
-    constexpr int kPer = kSegCap / kCellThreads;
-    const int64_t seg_end = min(a.n_slots, seg + kSegCap);
-    const int64_t r0 = seg + int64_t(tid) * kPer;
-    int ids[kPer], ads[kPer];
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const bool in = r0 + i < seg_end;
-      ids[i] = in ? a.indices[r0 + i] : -1;
-      ads[i] = in && a.has_row_adapter ? a.row_adapter[(r0 + i) / a.top_k] : 0;
-    }
-    unsigned mask = 0;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int64_t ll = a.route.num_loras == 1 ? 0 : ads[i];
-      if (ids[i] == e && ads[i] >= 0 && ll == l) mask |= 1u << i;
-    }
-    const int cnt = __popc(mask);
-    int incl = cnt;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += v;
-    }
-    if (lane == 31) s_misc[w] = incl;
-    __syncthreads();
-    int pos = incl - cnt, total = 0;
-#pragma unroll
-    for (int i = 0; i < kCellWarps; ++i) {
-      const int v = s_misc[i];
-      pos += i < w ? v : 0;
-      total += v;
-    }
-#pragma unroll
-    for (int i = 0; i < kSegCap / kCellThreads; ++i)
-      if ((mask >> i) & 1u) s_list[pos++] = int(r0 + i);
-    __syncthreads();
-    for (int b = 0; b < total; b += lay.mr) {
-      const int nrows = min(lay.mr, total - b);
-      if (tid < nrows) {
-        const int r = s_list[b + tid];
-        s_orow[tid] = r;
-        s_xrow[tid] = a.x_gather ? int(r / a.top_k) : r;
-      }
-      __syncthreads();
-      prefetch_out_rows(out, s_orow, nrows, a.N, c0, c1);
-      cell_shrink<D, NRG>(smem, lay, nrows, x, A, a.K, R);
-      cell_expand<D, NRG>(smem, lay, nrows, B, out, a.N, R, pair.scale, c0, c1, cp.nvec);
-      __syncthreads();  // s_xrow, s_orow and xa are rewritten by the next batch
-    }
-    __syncthreads();  // s_misc and s_list are rewritten by the next segment
-  }
-}
-
-template <DType D, int NRG>
 __global__ void __launch_bounds__(kCellThreads, 2) grouped_cells_kernel(const GroupedParams prm,
                                                                       const CellParams cp) {
   constexpr int MR = 8 * NRG;
@@ -1259,20 +1184,6 @@ cudaError_t grouped_tc(const GroupedArgs& a, cudaStream_t stream) {
   return launch(grouped_fast_kernel<D, NT, 1>, prm, prm.n_clusters, 1, 1024, smem, stream);
 }
 
-// Which gather kernel runs: MOELORA_FAST_GATHER=rows or =cells forces one
-// (for measurements); by default the cells kernel runs once there are at
-// least as many rows as table cells.
-enum class GatherPath { kAuto, kRows, kCells };
-GatherPath gather_path() {
-  static const GatherPath p = [] {
-    const char* v = std::getenv("MOELORA_FAST_GATHER");
-    if (v && std::string(v) == "rows") return GatherPath::kRows;
-    if (v && std::string(v) == "cells") return GatherPath::kCells;
-    return GatherPath::kAuto;
-  }();
-  return p;
-}
-
 // Output columns per CTA for `units` units of work: enough CTAs for every SM,
 // chunks of whole 64-column multiples (each chunk repeats the shrink).
 int64_t cell_chunk_w(int64_t N, int64_t units) {
@@ -1280,25 +1191,6 @@ int64_t cell_chunk_w(int64_t N, int64_t units) {
   chunks = std::min<int64_t>({chunks, (N + 63) / 64, 65535});
   int64_t w = (N + chunks - 1) / chunks;
   return (w + 63) / 64 * 64;
-}
-
-template <DType D>
-cudaError_t gather_cells(const GatherArgs& a, cudaStream_t stream) {
-  constexpr int NRG = 2;  // decode: batches of up to 16 rows
-  const int64_t cells = a.route.num_loras * a.route.n_experts;
-  if (cells <= 0) return cudaSuccess;
-  CellParams cp;
-  cp.stages = CellLayout::stages_for(NRG, int(a.R));
-  const CellLayout lay(NRG, int(a.R), cp.stages);
-  cp.chunk_w = cell_chunk_w(a.N, std::min(cells, a.n_slots));
-  cp.nvec = a.N % 2 == 0 && aligned4(a.out);
-  const int64_t chunks = (a.N + cp.chunk_w - 1) / cp.chunk_w;
-  auto kernel = gather_cells_kernel<D, NRG>;
-  if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(kernel), lay.total);
-      err != cudaSuccess)
-    return err;
-  kernel<<<dim3(unsigned(cells), unsigned(chunks), 1), kCellThreads, lay.total, stream>>>(a, cp);
-  return cudaPeekAtLastError();
 }
 
 template <DType D, int NRG>
@@ -1355,17 +1247,12 @@ bool cells_fit(const void* x, const void* a_pool, const void* b_pool, int64_t K,
 }
 
 
-bool use_gather_cells(const GatherArgs& a) {
-  if (!cells_fit(a.x, a.a_pool, a.b_pool, a.K, a.n_slots)) return false;
-  switch (gather_path()) {
-    case GatherPath::kRows: return false;
-    case GatherPath::kCells: return true;
-    default: return a.n_slots >= a.route.num_loras * a.route.n_experts;
-  }
-}
-
+// The cells kernel streams a pair's A block once per (tile, table row) pass;
+// tiles shared by several adapters at long K (Mixtral-sized) run faster on the
+// v2b kernel's 32-row tiles (docs/perf.md, v4).
 bool use_grouped_cells(const GroupedArgs& a) {
-  return !grouped_use_tc() && cells_fit(a.x, a.a_pool, a.b_pool, a.K, a.te);
+  if (grouped_use_tc() || !cells_fit(a.x, a.a_pool, a.b_pool, a.K, a.te)) return false;
+  return !(a.route.num_loras > 1 && a.K >= 4096);
 }
 
 }  // namespace
@@ -1374,13 +1261,11 @@ cudaError_t launch_gather_fast(const GatherArgs& args, cudaStream_t stream) {
   if (args.n_slots <= 0 || args.N <= 0 || args.K <= 0 || args.R <= 0) return cudaSuccess;
   switch (args.dtype) {
     case DType::kBf16:
-      if (!rows_kernel_fits(args)) return launch_gather_seed(args, stream);
-      return use_gather_cells(args) ? gather_cells<DType::kBf16>(args, stream)
-                                    : gather_rows<DType::kBf16>(args, stream);
+      return rows_kernel_fits(args) ? gather_rows<DType::kBf16>(args, stream)
+                                    : launch_gather_seed(args, stream);
     case DType::kF16:
-      if (!rows_kernel_fits(args)) return launch_gather_seed(args, stream);
-      return use_gather_cells(args) ? gather_cells<DType::kF16>(args, stream)
-                                    : gather_rows<DType::kF16>(args, stream);
+      return rows_kernel_fits(args) ? gather_rows<DType::kF16>(args, stream)
+                                    : launch_gather_seed(args, stream);
     case DType::kF32: {
       const dim3 grid(unsigned(args.n_slots), unsigned((args.N + kF32Cols - 1) / kF32Cols), 1);
       gather_f32_kernel<<<grid, kF32Threads, 0, stream>>>(args);
