@@ -24,7 +24,9 @@ JAX's Pallas Triton grouped matmul on GPU where this JAX has one.
 
 It prints a table, and writes ``bench.json`` (one row per case and method,
 rewritten after every case), ``bench.md`` (the table) and ``bench.png``
-(% of floor against tokens) to ``--out``.
+(% of floor against tokens) to ``--out``. ``--merge`` joins the
+``bench.json`` of several runs (each row keeps the floor of its own run's
+bandwidth) into one report without measuring anything.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ from jax_moelora.bench_cases import (DECODE_TOKENS, MODELS, PREFILL_TOKENS, PROJ
                                      case_grid, floor_bytes, make_inputs, make_routing,
                                      parse_model)
 
-__all__ = ["add_arguments", "run", "run_bench", "Settings", "PROTOCOL_REPS", "PROTOCOL_RUNS",
-           "ROW_FIELDS"]
+__all__ = ["add_arguments", "run", "run_bench", "merge_runs", "Settings", "PROTOCOL_REPS",
+           "PROTOCOL_RUNS", "ROW_FIELDS"]
 
 PROTOCOL_REPS = 32      # SPEC §7: at least 32 folds per program
 PROTOCOL_RUNS = 20      # SPEC §7: median of at least 20 runs
@@ -145,6 +147,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-check", action="store_true",
                         help="skip the correctness check against the jnp fold")
     parser.add_argument("--no-plot", action="store_true", help="do not write bench.png")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="join the bench.json of several runs into one report in --out "
+                             "(measures nothing; a later file's row replaces an earlier one "
+                             "of the same case and method)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"),
                         help="output folder (default bench_out/)")
 
@@ -370,6 +376,42 @@ def run_bench(s: Settings, console: Console | None = None) -> tuple[list[dict], 
     return rows, meta
 
 
+def merge_runs(paths: Sequence[Path]) -> tuple[list[dict], dict]:
+    """The rows of several ``bench.json`` files and a meta that lists the runs.
+
+    Rows keep their own ``bandwidth`` and ``pct_floor`` (SPEC §7: the floor
+    of a row comes from the bandwidth measured in its run). A later file's
+    row replaces an earlier one of the same case and method; the order of
+    first appearance is kept.
+    """
+    if not paths:
+        raise ValueError("--merge needs at least one bench.json")
+    merged: dict[tuple, dict] = {}
+    runs = []
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+            rows, meta = data["rows"], data["meta"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}: not a bench.json ({err})") from None
+        runs.append({"file": str(path), "rows": len(rows),
+                     **{k: meta.get(k) for k in ("device", "bandwidth", "reps", "runs", "time")}})
+        for r in rows:
+            merged[tuple(r[k] for k in ("model", "proj", "tokens", "rank", "adapters",
+                                        "method"))] = r
+    bws = [r["bandwidth"] for r in runs if r["bandwidth"]]
+    meta = {**json.loads(Path(paths[0]).read_text())["meta"], "merged": runs,
+            "bandwidth": min(bws) if bws else 0.0, "bandwidth_max": max(bws) if bws else 0.0}
+    return list(merged.values()), meta
+
+
+def _bandwidth_text(meta: dict) -> str:
+    if meta.get("merged"):
+        return (f"{len(meta['merged'])} runs, copy bandwidth {meta['bandwidth'] / 1e9:,.1f}-"
+                f"{meta['bandwidth_max'] / 1e9:,.1f} GB/s (each row against its own run's)")
+    return f"copy bandwidth {meta['bandwidth'] / 1e9:,.1f} GB/s"
+
+
 def write_json(rows: list[dict], meta: dict, out: Path) -> Path:
     """Write ``{"meta", "rows"}`` to ``out/bench.json``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -383,13 +425,14 @@ def write_json(rows: list[dict], meta: dict, out: Path) -> Path:
 def write_outputs(rows: list[dict], meta: dict, out: Path, plot: bool = True) -> list[Path]:
     """Write ``bench.json``, ``bench.md`` and (``plot``) ``bench.png`` to ``out``."""
     paths = [write_json(rows, meta, out), out / "bench.md"]
-    paths[1].write_text(f"Copy bandwidth {meta['bandwidth'] / 1e9:,.1f} GB/s on "
-                        f"{meta['device']}, {meta['reps']} folds x {meta['runs']} runs.\n\n"
+    text = _bandwidth_text(meta)
+    paths[1].write_text(f"{text[0].upper()}{text[1:]} on {meta['device']}, "
+                        f"{meta['reps']} folds x {meta['runs']} runs.\n\n"
                         + markdown_table(rows))
     if plot:
         from jax_moelora.bench_plot import plot_rows
 
-        title = f"{meta['device']} ({meta['bandwidth'] / 1e9:,.0f} GB/s copy)"
+        title = f"{meta['device']} ({_bandwidth_text(meta).split(' (')[0]})"
         paths.append(plot_rows(rows, out / "bench.png", title=title))
     return paths
 
@@ -413,6 +456,17 @@ def list_cases(s: Settings, console: Console) -> None:
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``python -m jax_moelora bench``; 1 on any mismatch or error."""
     console = Console() if sys.stdout.isatty() else Console(width=150)
+    if args.merge:
+        try:
+            rows, meta = merge_runs(args.merge)
+        except ValueError as err:
+            console.print(f"[red]bench --merge:[/] {err}")
+            return 2
+        console.print(make_table(rows, title=f"MoE LoRA folds on {meta['device']}, "
+                                             f"{_bandwidth_text(meta)}"))
+        for p in write_outputs(rows, meta, args.out, not args.no_plot):
+            console.print(f"wrote {p}")
+        return 0
     try:
         s = settings_from_args(args)
     except ValueError as err:

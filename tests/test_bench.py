@@ -231,3 +231,35 @@ def test_loop_keeps_the_fold_inside(method):
     entry = entry[:entry.index("\n}")]
     assert "while(" in entry
     assert " dot(" not in entry and " gather(" not in entry
+
+
+def test_merge_joins_runs_and_keeps_each_rows_floor(tmp_path):
+    """--merge: rows of several runs in one report; a later run's row of the
+    same case and method wins; each row keeps its own run's floor."""
+    assert _run(tmp_path / "a", "--methods", "jnp,einsum", "--tokens", "2", "--no-plot") == 0
+    first = json.loads((tmp_path / "a" / "bench.json").read_text())
+    again = {"meta": {**first["meta"], "bandwidth": 2 * first["meta"]["bandwidth"]},
+             "rows": [{**r, "bandwidth": 2 * r["bandwidth"], "pct_floor": r["pct_floor"] / 2,
+                       "time_us": 7.0} for r in first["rows"] if r["method"] == "einsum"]}
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "bench.json").write_text(json.dumps(again))
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--merge", str(tmp_path / "a" / "bench.json"),
+                         str(tmp_path / "b" / "bench.json"), "--out", str(tmp_path / "m")])
+    assert bench.run(args) == 0
+    merged = json.loads((tmp_path / "m" / "bench.json").read_text())
+    assert len(merged["rows"]) == len(first["rows"])
+    by = {(r["proj"], r["method"]): r for r in merged["rows"]}
+    for r in first["rows"]:
+        got = by[(r["proj"], r["method"])]
+        if r["method"] == "einsum":
+            assert got["time_us"] == 7.0 and got["bandwidth"] == 2 * r["bandwidth"]
+        else:
+            assert got == r
+    assert [m["rows"] for m in merged["meta"]["merged"]] == [len(first["rows"]),
+                                                              len(again["rows"])]
+    assert "2 runs, copy bandwidth" in (tmp_path / "m" / "bench.md").read_text()
+    assert (tmp_path / "m" / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    bad = p.parse_args(["--merge", str(tmp_path / "m" / "bench.md"), "--out", str(tmp_path)])
+    assert bench.run(bad) == 2
