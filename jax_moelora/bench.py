@@ -387,28 +387,30 @@ def merge_runs(paths: Sequence[Path]) -> tuple[list[dict], dict]:
     if not paths:
         raise ValueError("--merge needs at least one bench.json")
     merged: dict[tuple, dict] = {}
-    runs = []
+    runs, metas = [], []
     for path in paths:
         try:
             data = json.loads(Path(path).read_text())
             rows, meta = data["rows"], data["meta"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{path}: not a bench.json ({err})") from None
+        metas.append(meta)
         runs.append({"file": str(path), "rows": len(rows),
                      **{k: meta.get(k) for k in ("device", "bandwidth", "reps", "runs", "time")}})
         for r in rows:
             merged[tuple(r[k] for k in ("model", "proj", "tokens", "rank", "adapters",
                                         "method"))] = r
     bws = [r["bandwidth"] for r in runs if r["bandwidth"]]
-    meta = {**json.loads(Path(paths[0]).read_text())["meta"], "merged": runs,
+    meta = {**metas[0], "merged": runs,
             "bandwidth": min(bws) if bws else 0.0, "bandwidth_max": max(bws) if bws else 0.0}
     return list(merged.values()), meta
 
 
-def _bandwidth_text(meta: dict) -> str:
+def _bandwidth_text(meta: dict, short: bool = False) -> str:
     if meta.get("merged"):
         return (f"{len(meta['merged'])} runs, copy bandwidth {meta['bandwidth'] / 1e9:,.1f}-"
-                f"{meta['bandwidth_max'] / 1e9:,.1f} GB/s (each row against its own run's)")
+                f"{meta['bandwidth_max'] / 1e9:,.1f} GB/s"
+                + ("" if short else " (each row against its own run's)"))
     return f"copy bandwidth {meta['bandwidth'] / 1e9:,.1f} GB/s"
 
 
@@ -432,7 +434,7 @@ def write_outputs(rows: list[dict], meta: dict, out: Path, plot: bool = True) ->
     if plot:
         from jax_moelora.bench_plot import plot_rows
 
-        title = f"{meta['device']} ({_bandwidth_text(meta).split(' (')[0]})"
+        title = f"{meta['device']} ({_bandwidth_text(meta, short=True)})"
         paths.append(plot_rows(rows, out / "bench.png", title=title))
     return paths
 
