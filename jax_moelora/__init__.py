@@ -20,6 +20,7 @@ from jax_moelora.ops import (
     moe_lora_grouped_down,
     sort_rows_by_expert,
 )
+from jax_moelora.ops.stacked import StackedRoute, stack_routes
 from jax_moelora.ops.sharding import (
     moe_lora_fold_data_parallel,
     moe_lora_fold_expert_parallel,
@@ -52,6 +53,8 @@ from jax_moelora.tables import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "StackedRoute",
+    "stack_routes",
     "ExpertTables",
     "MLG_M_TILE",
     "MoeExpertRoute",

@@ -123,8 +123,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapters", type=_ints, default=None,
                         help="adapters spread over the tokens (default 1,4)")
     parser.add_argument("--methods", type=_names, default=None,
-                        help=f"of {', '.join(bm.ALL_METHODS)}; default: fast, seed and the "
-                             "baselines on a GPU; cpu, jnp and the baselines on the CPU")
+                        help=f"of {', '.join(bm.ALL_METHODS)}, each also with {bm.COLD} (the "
+                             "route rotated through copies larger than the L2); default: fast, "
+                             "seed and the baselines on a GPU; cpu, jnp and the baselines on "
+                             "the CPU")
     parser.add_argument("--reps", type=int, default=None,
                         help=f"folds per timed program (default {PROTOCOL_REPS})")
     parser.add_argument("--runs", type=int, default=None,
@@ -166,8 +168,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     adapters = args.adapters or QUICK["adapters"]
     methods = args.methods or bm.default_methods()
     for m in methods:
-        if m not in bm.ALL_METHODS:
-            raise ValueError(f"unknown method {m!r}; known: {', '.join(bm.ALL_METHODS)}")
+        if not bm.is_method(m):
+            raise ValueError(f"unknown method {m!r}; known: {', '.join(bm.ALL_METHODS)} "
+                             f"(each also with {bm.COLD}: a cold L2)")
     small = quick and plat == "cpu"
     reps = args.reps or (QUICK_CPU_REPS if small else PROTOCOL_REPS)
     runs = args.runs or (QUICK_CPU_RUNS if small else PROTOCOL_RUNS)
@@ -191,7 +194,7 @@ def _unroll(s: Settings, method: str) -> int:
     rep for the custom calls (no loop overhead at all), 8 for pure JAX."""
     if s.unroll:
         return max(1, min(s.unroll, s.reps))
-    return s.reps if method in bm.CUSTOM_CALL_METHODS else min(8, s.reps)
+    return s.reps if bm.base_method(method) in bm.CUSTOM_CALL_METHODS else min(8, s.reps)
 
 
 def _row(case: Case, method: str, nbytes: dict, bandwidth: float, s: Settings) -> dict:
@@ -244,8 +247,9 @@ def _bench_case(case: Case, s: Settings, bandwidth: float, progress: Progress, t
 
             try:
                 args = bm.prepare_args(method, inputs)
-                loop = loops.get(method) or bm.make_loop(bm.make_fold(method, case), s.reps,
-                                                         _unroll(s, method))
+                loop = loops.get(method) or bm.make_loop(
+                    bm.make_fold(method, case), s.reps, _unroll(s, method),
+                    cold=method.endswith(bm.COLD))
                 t = bm.time_loop(loop, base, args, reps=s.reps, runs=s.runs, warmup=s.warmup,
                                  first=first)
                 row["time_us"] = t * 1e6

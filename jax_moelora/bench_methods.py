@@ -20,6 +20,13 @@ prefill ones), and two pure-JAX baselines:
 
 Every method has the signature ``fold(base_out, args) -> base_out`` and the
 SPEC §5 roundings and skip rules.
+
+Any method name with the suffix ``@cold`` (``fast@cold``) times the same fold
+with a cold L2: the program rotates through copies of the route (pools and
+tables, ``COLD_BYTES`` in all, several times the L2), one copy per fold, as
+the expert weights of the other layers flush the L2 between folds in a real
+step. ``x`` and ``base_out`` stay as they are (in a step they come straight
+from the kernel that wrote them).
 """
 
 from __future__ import annotations
@@ -53,6 +60,20 @@ TOLERANCE = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 2e-3,
              jnp.dtype(jnp.float32): 1e-5}
 
 EINSUM_CHUNK_BYTES = {"gpu": 1 << 30, "cpu": 64 << 20}
+
+COLD = "@cold"
+COLD_BYTES = 256 << 20   # route copies a cold-L2 program rotates through (H200 L2: 50 MB)
+COLD_MAX_COPIES = 32
+
+
+def base_method(method: str) -> str:
+    """``method`` without its ``@cold`` suffix."""
+    return method[:-len(COLD)] if method.endswith(COLD) else method
+
+
+def is_method(method: str) -> bool:
+    """A known method, with or without ``@cold``."""
+    return base_method(method) in ALL_METHODS
 
 Fold = Callable[[jax.Array, dict[str, Any]], jax.Array]
 
@@ -208,7 +229,7 @@ def use_pallas_ragged_dot() -> bool:
 
 def skip_reason(method: str, case: Case, *, ragged_max_bytes: float) -> str | None:
     """Why ``method`` is not run on ``case`` (None: it is)."""
-    if method == "ragged_dot" and ragged_max_bytes > 0:
+    if base_method(method) == "ragged_dot" and ragged_max_bytes > 0:
         need = ragged_dense_bytes(case)
         if need > ragged_max_bytes:
             return (f"dense ragged_dot lowering needs ~{need / 2**30:.1f} GiB "
@@ -218,6 +239,7 @@ def skip_reason(method: str, case: Case, *, ragged_max_bytes: float) -> str | No
 
 def make_fold(method: str, case: Case) -> Fold:
     """``fold(base_out, args) -> base_out`` of ``method`` for ``case``."""
+    method = base_method(method)
     if method in LIBRARY_METHODS:
         return _library_fold(case, method)
     if method == "ragged_dot":
@@ -228,25 +250,45 @@ def make_fold(method: str, case: Case) -> Fold:
     raise ValueError(f"unknown method {method!r}; known: {', '.join(ALL_METHODS)}")
 
 
-def prepare_args(method: str, inputs: CaseInputs) -> dict[str, Any]:
+def prepare_args(method: str, inputs: CaseInputs) -> Any:
     """The args ``method`` folds with: the case's, plus (for ``ragged_dot``)
-    its pair-major weights, built here, outside any timed region."""
-    if method != "ragged_dot":
-        return inputs.args
-    pairs = jax.jit(_pair_weights)(inputs.args["route"])
-    return {**inputs.args, "pairs": jax.block_until_ready(pairs)}
+    its pair-major weights, built here, outside any timed region; for a
+    ``@cold`` method a tuple of such args, each with its own copy of the route
+    (and of the pair-major weights)."""
+    args = inputs.args
+    if base_method(method) == "ragged_dot":
+        pairs = jax.jit(_pair_weights)(inputs.args["route"])
+        args = {**inputs.args, "pairs": jax.block_until_ready(pairs)}
+    if not method.endswith(COLD):
+        return args
+    heavy = {k: v for k, v in args.items() if k in ("route", "pairs")}
+    nbytes = sum(v.nbytes for v in jax.tree_util.tree_leaves(heavy))
+    copies = int(min(COLD_MAX_COPIES, max(2, -(-COLD_BYTES // max(1, nbytes)))))
+    return tuple({**args, **jax.tree_util.tree_map(jnp.copy, heavy)} for _ in range(copies))
 
 
 # ------------------------------------------------------------------- timing
 
-def make_loop(fold: Fold, reps: int, unroll: int = 1):
+def make_loop(fold: Fold, reps: int, unroll: int = 1, cold: bool = False):
     """One jitted program ``loop(base_out, args)`` running ``fold`` ``reps``
     times back to back.
 
     ``base_out`` is carried (and donated); each iteration passes the inputs
     through an optimization barrier together with the carry, so no part of
-    the fold is loop-invariant: XLA can neither hoist nor CSE it.
+    the fold is loop-invariant: XLA can neither hoist nor CSE it. ``cold``:
+    ``args`` is a tuple of copies (``prepare_args``) and fold ``i`` reads copy
+    ``i % len(args)`` (an unrolled program, so each fold reads its copy in
+    place).
     """
+    def run_cold(out, copies):
+        for i in range(reps):
+            out, args_i = jax.lax.optimization_barrier((out, copies[i % len(copies)]))
+            out = fold(out, args_i)
+        return out
+
+    if cold:
+        return jax.jit(run_cold, donate_argnums=0)
+
     def run(out, args):
         def body(_, out):
             out, args_i = jax.lax.optimization_barrier((out, args))

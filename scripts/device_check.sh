@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# One call on the GPU machine (the device tool's `run`, kind nvidia-h200-x2):
-# build against that machine's jaxlib, then the whole test suite, memcheck and
-# racecheck and the decode-step timing on GPU 0, next to seed-vs-jnp, the
-# benchmark and ncu on GPU 1. Everything lands in $OUT/results.tgz, also when a
-# step overruns (the steps get BUDGET seconds, default 540).
+# One call on the GPU machine (the device tool's `run`): build against that
+# machine's jaxlib, then the steps named in STEPS, one after the other on GPU 0
+# (timings never share the GPU with the test suite). Everything lands in
+# $OUT/results.tgz, also when a step overruns (the steps get BUDGET seconds,
+# default 560; each step has its own timeout too).
 #   run: bash scripts/device_check.sh                 (timeout_s 600)
-#   env: BENCH="<bench args>"  BENCH2="<a second bench>"  SCALING=1  NCU=0  KERNELS=<regex>  NCU_TOKENS=<T>
+#   env: STEPS="build bench bench2 timing suite memcheck racecheck initcheck synccheck ncu scaling"
+#        BENCH="<bench args>"  BENCH2="<a second bench>"  TESTS="<pytest args of the suite step>"
+#        SAN_TESTS="<pytest args of the sanitizer steps>"  KERNELS=<ncu name regex>
+#        NCU_ARGS="<bench args of the ncu step>"
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 R=$OUT/r; mkdir -p "$R"
@@ -15,44 +18,45 @@ if [ "${1:-}" != steps ]; then
   tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$R"
   exit 0
 fi
+STEPS=" ${STEPS:-build bench bench2 timing suite memcheck racecheck ncu} "
+has() { case "$STEPS" in *" $1 "*) return 0;; *) return 1;; esac; }
 step() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$R/phases.log"; }
-NGPU=$(nvidia-smi -L | wc -l)
+export CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi > "$R/nvidia-smi.txt" 2>&1
-step build; timeout 150 python3 -m pip install --no-build-isolation --no-deps . > "$R/build.log" 2>&1; step "build rc=$?"
-python3 -m jax_moelora info >> "$R/build.log" 2>&1
-(
-  export CUDA_VISIBLE_DEVICES=0
-  export XLA_PYTHON_CLIENT_PREALLOCATE=false
-  step suite; timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 -rf > "$R/suite.log" 2>&1; step "suite rc=$?"
-  step memcheck; timeout 100 compute-sanitizer --tool memcheck \
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_folds.py \
-    -k "(matches_reference or windows or out_of_range) and not large" \
-    > "$R/memcheck.log" 2>&1; step "memcheck rc=$?"
-  step racecheck; timeout 90 compute-sanitizer --tool racecheck \
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_folds.py \
-    -k "fold_matches_reference and fast and bf16 and L4 and map and not no_map" \
-    > "$R/racecheck.log" 2>&1; step "racecheck rc=$?"
-  step timing; timeout 60 python3 -m jax_moelora demo --timing --repeats 10 --json "$R/timing.json" > "$R/timing.log" 2>&1; step "timing rc=$?"
-) &
-(
-  export CUDA_VISIBLE_DEVICES=$(( NGPU > 1 ? 1 : 0 ))
-  step seed_vs_jnp; timeout 100 python3 -m jax_moelora bench --models qwen --projs gate --tokens 64,4096 --ranks 16 --adapters 1 --methods seed,jnp --no-plot --out "$R/seed_jnp" > "$R/seed_jnp.log" 2>&1; step "seed_vs_jnp rc=$?"
-  step bench; timeout 200 python3 -m jax_moelora bench ${BENCH:---quick --methods fast,einsum} --out "$R/bench" > "$R/bench.log" 2>&1; step "bench rc=$?"
-  if [ -n "${BENCH2:-}" ]; then
-    step bench2; timeout 170 python3 -m jax_moelora bench $BENCH2 --out "$R/bench2" > "$R/bench2.log" 2>&1; step "bench2 rc=$?"
-  fi
-  step bench_r64; timeout 40 python3 -m jax_moelora bench --models qwen,mixtral --ranks 64 --adapters 1 --tokens 64,256 --methods fast --no-plot --out "$R/r64" > "$R/bench_r64.log" 2>&1; step "bench_r64 rc=$?"
-  if [ "${NCU:-1}" = 1 ]; then  # one launch of each fast kernel (KERNELS: a name regex)
-    step ncu; timeout 50 ncu --clock-control none -k regex:"${KERNELS:-rows|cells}" --launch-count 1 \
-      --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
-      --section WarpStateStats --section SchedulerStats \
-      python3 -m jax_moelora bench --models qwen --projs gate --tokens ${NCU_TOKENS:-4096} --ranks 16 --adapters 1 \
-      --methods fast --reps 1 --runs 1 --warmup 1 --no-check --no-plot --bw-mib 16 --out /tmp/ncu_bench \
-      > "$R/ncu.log" 2>&1; step "ncu rc=$?"
-  fi
-) &
-wait
-if [ "${SCALING:-0}" = 1 ] && [ "$NGPU" -gt 1 ]; then
-  step scaling; timeout 90 python3 -m jax_moelora.scaling --json "$R/scaling.json" > "$R/scaling.log" 2>&1; step "scaling rc=$?"
+if has build; then
+  step build; timeout 200 python3 -m pip install --no-build-isolation --no-deps . > "$R/build.log" 2>&1; step "build rc=$?"
+  python3 -m jax_moelora info >> "$R/build.log" 2>&1
+fi
+SAN=${SAN_TESTS:--m gpu tests/test_folds.py tests/test_stacked.py -k "fast and not large"}
+san() {  # san TOOL SECONDS: compute-sanitizer TOOL over the sanitizer tests
+  step "$1"; timeout "$2" compute-sanitizer --tool "$1" --print-limit 20 \
+    python3 -m pytest -q -p no:cacheprovider -x $SAN > "$R/$1.log" 2>&1; step "$1 rc=$?"
+}
+if has bench; then
+  step bench; timeout 240 python3 -m jax_moelora bench ${BENCH:---quick --methods fast,einsum} --out "$R/bench" > "$R/bench.log" 2>&1; step "bench rc=$?"
+fi
+if has bench2 && [ -n "${BENCH2:-}" ]; then
+  step bench2; timeout 200 python3 -m jax_moelora bench $BENCH2 --out "$R/bench2" > "$R/bench2.log" 2>&1; step "bench2 rc=$?"
+fi
+if has timing; then
+  step timing; timeout 90 python3 -m jax_moelora demo --timing --repeats 10 --json "$R/timing.json" > "$R/timing.log" 2>&1; step "timing rc=$?"
+fi
+if has suite; then
+  step suite; timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 -rf ${TESTS:-} > "$R/suite.log" 2>&1; step "suite rc=$?"
+fi
+has memcheck && san memcheck 150
+has racecheck && san racecheck 150
+has initcheck && san initcheck 120
+has synccheck && san synccheck 120
+if has ncu; then  # one launch of each kernel matching KERNELS
+  step ncu; timeout 90 ncu --clock-control none -k regex:"${KERNELS:-cells}" --launch-count 2 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section SchedulerStats \
+    python3 -m jax_moelora bench ${NCU_ARGS:---models qwen --projs gate --tokens 64 --ranks 16 --adapters 4} \
+    --methods fast --reps 1 --runs 1 --warmup 1 --no-check --no-plot --bw-mib 16 --out /tmp/ncu_bench \
+    > "$R/ncu.log" 2>&1; step "ncu rc=$?"
+fi
+if has scaling && [ "$(nvidia-smi -L | wc -l)" -gt 1 ]; then
+  step scaling; CUDA_VISIBLE_DEVICES=0,1 timeout 90 python3 -m jax_moelora.scaling --json "$R/scaling.json" > "$R/scaling.log" 2>&1; step "scaling rc=$?"
 fi
 step done

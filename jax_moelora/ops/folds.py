@@ -26,6 +26,7 @@ import numpy as np
 
 from jax_moelora import _ext
 from jax_moelora.ops import autodiff
+from jax_moelora.ops.stacked import StackedRoute, fold_stacked
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["moe_lora_gather_bgmv", "moe_lora_grouped_down", "moe_lora_fold", "resolve_impl",
@@ -117,7 +118,9 @@ def moe_lora_gather_bgmv(x: jax.Array, base_out: jax.Array, indices: jax.Array,
         activation dtype (bf16, f16 or f32).
       base_out: ``[n_slots, n_out]``, flat token-major rows ``t * top_k + k``.
       indices: int32 (or uint32) ``[n_slots]``, the expert id of each row.
-      route: the projection's ``MoeExpertRoute``.
+      route: the projection's ``MoeExpertRoute``, or a ``StackedRoute`` of
+        ``S`` projections that share ``x`` and the ids (gate and up): then
+        ``base_out`` and the result are ``[S, n_slots, n_out]``, one launch.
       row_adapter: int32 ``[num_tokens]`` adapter value per token (``< 0``:
         no fold; with ``L > 1`` it picks the table row, ``>= L`` folds
         nothing), or ``None`` to fold every row with table row 0.
@@ -129,6 +132,10 @@ def moe_lora_gather_bgmv(x: jax.Array, base_out: jax.Array, indices: jax.Array,
       ``[n_slots, n_out]``: ``base_out`` with every adapted row folded.
     """
     fn = "moe_lora_gather_bgmv"
+    if isinstance(route, StackedRoute):
+        return fold_stacked(fn, lambda b, r: moe_lora_gather_bgmv(
+            x, b, indices, r, row_adapter, top_k=top_k, x_gather=x_gather, impl=impl),
+            base_out, route)
     x_rows, n_slots = _check_common(fn, x, base_out, route)
     x_gather = _check_x_gather(x_gather)
     if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 1:
@@ -169,7 +176,8 @@ def moe_lora_grouped_down(x: jax.Array, base_out: jax.Array, expert_offsets: jax
         expert ``e`` owns sorted rows ``expert_offsets[e] .. expert_offsets[e+1]``;
         ``num_experts >= route.n_experts``. Rows in no span fold nothing.
       sorted_token_ids: int32 ``[te]``, the token of each sorted row.
-      route: the projection's ``MoeExpertRoute``.
+      route: the projection's ``MoeExpertRoute``, or a ``StackedRoute`` (then
+        ``base_out`` and the result are ``[S, te, n_out]``).
       row_adapter: int32 ``[num_tokens]``, read at ``sorted_token_ids[r]``
         (a token outside it folds nothing), or ``None``.
       row_offset, row_end: the window (static ints; default all rows). A
@@ -181,6 +189,10 @@ def moe_lora_grouped_down(x: jax.Array, base_out: jax.Array, expert_offsets: jax
       ``[te, n_out]``: ``base_out`` with the window's adapted rows folded.
     """
     fn = "moe_lora_grouped_down"
+    if isinstance(route, StackedRoute):
+        return fold_stacked(fn, lambda b, r: moe_lora_grouped_down(
+            x, b, expert_offsets, sorted_token_ids, r, row_adapter, row_offset=row_offset,
+            row_end=row_end, x_gather=x_gather, impl=impl), base_out, route)
     x_rows, te = _check_common(fn, x, base_out, route)
     x_gather = _check_x_gather(x_gather)
     (no,) = _int_array("expert_offsets", expert_offsets)
@@ -241,7 +253,8 @@ def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route:
       x: ``[T * top_k, k_in]`` (``x_gather=0``) or ``[T, k_in]`` (``x_gather=1``).
       base_out: ``[T * top_k, n_out]`` in flat token-major row order.
       topk_ids: int32 ``[T, top_k]`` expert ids.
-      route, row_adapter, impl: as for ``moe_lora_gather_bgmv``.
+      route, row_adapter, impl: as for ``moe_lora_gather_bgmv`` (a
+        ``StackedRoute`` takes and returns ``[S, T * top_k, n_out]``).
       gather_max_rows: batches of at most this many flat rows take the gather
         fold; larger ones are sorted by expert (stable, traced jnp), folded by
         ``moe_lora_grouped_down`` and unsorted. Both give the same bits, except
@@ -251,6 +264,10 @@ def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route:
     Returns:
       ``[T * top_k, n_out]`` in flat row order.
     """
+    if isinstance(route, StackedRoute):
+        return fold_stacked("moe_lora_fold", lambda b, r: moe_lora_fold(
+            x, b, topk_ids, r, row_adapter, x_gather=x_gather, impl=impl,
+            gather_max_rows=gather_max_rows), base_out, route)
     ts = _shape("topk_ids", topk_ids)
     if len(ts) != 2:
         raise ValueError(f"moe_lora_fold: topk_ids must be [T, top_k], got shape {ts}")

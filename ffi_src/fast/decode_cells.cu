@@ -1,0 +1,390 @@
+// Decode fold (unsorted flat rows, bf16 / f16): the decode cells kernel, and
+// launch_gather_fast, which picks the kernel for a gather fold.
+//
+// A cell is one (table row, expert) pair: one A block [R, K] and one B block
+// [N, R]. A batch is up to kBatchRows rows of one cell. One CTA of 256
+// threads owns a (batch, column chunk):
+//   1. metadata in one round trip: every CTA reads all expert ids and the
+//      row-adapter map, keys each row by its cell (l * E_t + e, or -1 when
+//      the row is skipped), counts the rows of each cell in shared memory, and
+//      scans the counts (ceil(count / kBatchRows) batches per cell, cells in
+//      key order) to find its own batch; its rows are collected in row order.
+//      No sort, no grid synchronisation, no state between launches.
+//   2. shrink on the tensor cores: warp w multiplies the 32-wide K chunks
+//      w, w + 8, ... of A and of the batch's x rows (mma m16n8k16, ranks in M,
+//      rows in N), loading up to 4 chunks of 16-byte pieces straight from
+//      global memory before using any; the 8 warp partials are summed in warp
+//      order and rounded into xa (shared memory).
+//   3. expand on the tensor cores: delta = xa . B^T with rows in M and 8
+//      output columns per n8 tile; four tiles cover 32 adjacent columns so that
+//      a lane's accumulators are 8 adjacent columns of one row: base_out moves
+//      in 16-byte loads and stores. delta is rounded, then folded.
+// Skip rules are fold_common.h's (a skipped row gets key -1; a cell whose a or
+// b slot is 0 or outside the pool folds nothing). A row's arithmetic does not
+// depend on the other rows of its batch, so results do not depend on how rows
+// are batched.
+//
+// Shapes the kernel does not take (K % 8 != 0, unaligned pools, R > 64, or
+// metadata larger than shared memory) go to the seed kernels; fp32 goes to
+// rows_f32.cu.
+
+#include "fast/fast_common.cuh"
+
+namespace moelora {
+namespace fast {
+namespace {
+
+constexpr int kDecThreads = 256;
+constexpr int kDecWarps = kDecThreads / 32;
+constexpr int kBatchRows = 16;    // rows per batch: M of the expand, two n8 tiles of the shrink
+constexpr int kDecMaxRank = 64;   // 4 rank tiles of 16
+constexpr int kDecSmemCap = 200 * 1024;
+
+// Rank tiles of 16 the kernel is instantiated with for rank R (<= kDecMaxRank).
+__host__ __device__ constexpr int rank_tiles(int R) { return R <= 16 ? 1 : (R <= 32 ? 2 : 4); }
+
+// Shared memory of a decode CTA (byte offsets).
+struct DecodeLayout {
+  int r16, xs;  // ranks of the kernel's RT rank tiles (16, 32 or 64); xa row stride
+  int off_key, off_cnt, off_part, off_xa, off_rows, off_misc, total;
+  __host__ __device__ DecodeLayout(int64_t n_slots, int64_t nkeys, int R) {
+    r16 = 16 * rank_tiles(R);
+    xs = r16 + 8;
+    int64_t o = 0;
+    off_part = int(o); o += int64_t(kDecWarps) * kBatchRows * r16 * 4;
+    off_xa = int(o); o += (kBatchRows * xs * 2 + 15) / 16 * 16;
+    off_rows = int(o); o += kBatchRows * 4;
+    off_misc = int(o); o += 32 * 4;
+    off_key = int(o); o += n_slots * 4;
+    off_cnt = int(o); o += nkeys * 4;
+    total = o > INT_MAX / 2 ? INT_MAX / 2 : int((o + 15) / 16 * 16);
+  }
+};
+
+struct DecodeParams {
+  GatherArgs a;
+  int nkeys;        // L * E_t
+  int64_t chunk_w;  // output columns per CTA, a multiple of 32
+  bool nvec;        // N % 8 == 0 and out 16-byte aligned: 16-byte output accesses
+};
+
+__device__ __forceinline__ uint2 ldg8(const uint16_t* p) {
+  return __ldg(reinterpret_cast<const uint2*>(p));
+}
+
+// K chunks of 32 each warp loads before its first mma (registers: RT rank tiles).
+template <int RT>
+constexpr int shrink_unroll() { return RT == 1 ? 4 : (RT == 2 ? 2 : 1); }
+
+template <DType D, int RT>
+__global__ void __launch_bounds__(kDecThreads) gather_cells_kernel(const DecodeParams p) {
+  constexpr int kShrinkUnroll = shrink_unroll<RT>();
+  extern __shared__ __align__(16) char smem[];
+  const GatherArgs& a = p.a;
+  const DecodeLayout lay(a.n_slots, p.nkeys, int(a.R));
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+  int* s_key = reinterpret_cast<int*>(smem + lay.off_key);
+  int* s_cnt = reinterpret_cast<int*>(smem + lay.off_cnt);
+  int* s_rows = reinterpret_cast<int*>(smem + lay.off_rows);
+  int* s_misc = reinterpret_cast<int*>(smem + lay.off_misc);
+  float* s_part = reinterpret_cast<float*>(smem + lay.off_part);
+  uint16_t* s_xa = reinterpret_cast<uint16_t*>(smem + lay.off_xa);
+  const int n_slots = int(a.n_slots), nkeys = p.nkeys, E = int(a.route.n_experts);
+
+  // 1. key every row by its cell, count the rows of each cell
+  for (int k = tid; k < nkeys; k += kDecThreads) s_cnt[k] = 0;
+  for (int i = tid; i < n_slots; i += kDecThreads) {
+    int l, e;
+    s_key[i] = gather_row_cell(a, i, &l, &e) ? l * E + e : -1;
+  }
+  __syncthreads();
+  for (int i = tid; i < n_slots; i += kDecThreads)
+    if (s_key[i] >= 0) atomicAdd(&s_cnt[s_key[i]], 1);
+  __syncthreads();
+  // batches of each key, scanned over contiguous key segments per thread
+  const int seg = (nkeys + kDecThreads - 1) / kDecThreads;
+  const int k0 = min(nkeys, tid * seg), k1 = min(nkeys, k0 + seg);
+  int mine = 0;
+  for (int k = k0; k < k1; ++k) mine += (s_cnt[k] + kBatchRows - 1) / kBatchRows;
+  int incl = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == 31) s_misc[w] = incl;
+  __syncthreads();
+  int before = 0, total = 0;
+#pragma unroll
+  for (int i = 0; i < kDecWarps; ++i) {
+    before += i < w ? s_misc[i] : 0;
+    total += s_misc[i];
+  }
+  const int b = blockIdx.x;
+  if (b >= total) return;  // uniform: more CTAs than batches
+  int start = before + incl - mine;
+  if (b >= start && b < start + mine) {
+    for (int k = k0; k < k1; ++k) {
+      const int nb = (s_cnt[k] + kBatchRows - 1) / kBatchRows;
+      if (b < start + nb) {
+        s_misc[8] = k;
+        s_misc[9] = b - start;
+        break;
+      }
+      start += nb;
+    }
+  }
+  __syncthreads();
+  const int key = s_misc[8], first = s_misc[9] * kBatchRows;
+  const int cnt = min(kBatchRows, s_cnt[key] - first);
+  // the cell's pair (loads in flight during the row scan)
+  const int32_t pa = a.route.a_table[key], pb = a.route.b_table[key];
+  const float scale = a.route.scale_table[key];
+  // the batch's rows, in row order
+  int seen = 0;
+  for (int i0 = 0; i0 < n_slots && seen < first + cnt; i0 += kDecThreads) {
+    const int i = i0 + tid;
+    const bool m = i < n_slots && s_key[i] == key;
+    const unsigned bal = __ballot_sync(0xffffffffu, m);
+    if (lane == 0) s_misc[16 + w] = __popc(bal);
+    __syncthreads();
+    int wpre = 0, tot = 0;
+#pragma unroll
+    for (int j = 0; j < kDecWarps; ++j) {
+      wpre += j < w ? s_misc[16 + j] : 0;
+      tot += s_misc[16 + j];
+    }
+    const int rank = seen + wpre + __popc(bal & ((1u << lane) - 1u));
+    if (m && rank >= first && rank < first + cnt) s_rows[rank - first] = i;
+    __syncthreads();
+    seen += tot;
+  }
+  if (pa <= 0 || pb <= 0 || pa >= a.route.pool_size || pb >= a.route.pool_size) return;
+
+  // 2. shrink: acc[rt][nt] = A[16 rt .. 16 rt + 16) . x[rows 8 nt .. 8 nt + 8)^T
+  const int R = int(a.R);
+  const int64_t K = a.K;
+  const uint16_t* A = static_cast<const uint16_t*>(a.a_pool) + int64_t(pa) * R * K;
+  const uint16_t* x = static_cast<const uint16_t*>(a.x);
+  const int nt_rows = cnt > 8 ? 2 : 1;
+  const uint16_t* xr[2];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const int q = nt * 8 + g;
+    const int64_t row = q < cnt ? s_rows[q] : 0;
+    xr[nt] = q < cnt ? x + (a.x_gather ? row / a.top_k : row) * K : nullptr;
+  }
+  float acc[RT][2][4];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[rt][nt][i] = 0.f;
+  const int nch = int((K + 31) / 32);
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  for (int c0 = w; c0 < nch; c0 += kDecWarps * kShrinkUnroll) {
+    uint4 av[kShrinkUnroll][RT][2], xv[kShrinkUnroll][2];
+#pragma unroll
+    for (int u = 0; u < kShrinkUnroll; ++u) {
+      const int64_t k = int64_t(c0 + u * kDecWarps) * 32 + 8 * t;
+      const bool kin = k < K;
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt) {
+        const int r0 = rt * 16 + g, r1 = r0 + 8;
+        av[u][rt][0] = kin && r0 < R ? __ldg(reinterpret_cast<const uint4*>(A + int64_t(r0) * K + k)) : zero;
+        av[u][rt][1] = kin && r1 < R ? __ldg(reinterpret_cast<const uint4*>(A + int64_t(r1) * K + k)) : zero;
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+        xv[u][nt] = kin && nt < nt_rows && xr[nt] != nullptr
+                        ? __ldg(reinterpret_cast<const uint4*>(xr[nt] + k))
+                        : zero;
+    }
+#pragma unroll
+    for (int u = 0; u < kShrinkUnroll; ++u)
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          if (nt >= nt_rows) continue;
+          const uint4 a0 = av[u][rt][0], a1 = av[u][rt][1], xf = xv[u][nt];
+          Mma<D>::run(acc[rt][nt], a0.x, a1.x, a0.y, a1.y, xf.x, xf.y);
+          Mma<D>::run(acc[rt][nt], a0.z, a1.z, a0.w, a1.w, xf.z, xf.w);
+        }
+  }
+  // C fragment: c0 (rank g, row 2t), c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1)
+  const int r16 = lay.r16;
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int q = nt * 8 + 2 * t + (i & 1), j = rt * 16 + g + 8 * (i >> 1);
+        s_part[(w * kBatchRows + q) * r16 + j] = acc[rt][nt][i];
+      }
+  __syncthreads();
+  for (int e = tid; e < kBatchRows * r16; e += kDecThreads) {
+    const int q = e / r16, j = e - q * r16;
+    float v = 0.f;
+    if (q < cnt && j < R) {
+      v = s_part[q * r16 + j];
+#pragma unroll
+      for (int ww = 1; ww < kDecWarps; ++ww) v += s_part[(ww * kBatchRows + q) * r16 + j];
+    }
+    s_xa[q * lay.xs + j] = f2h<D>(v);
+  }
+  __syncthreads();
+
+  // 3. expand: 32-column groups; lane (g, t) ends with columns 8t .. 8t+7 of
+  // rows g and g + 8. n8 tile i's column c <-> group column 8 (c / 2) + 2 i + c % 2.
+  uint2 xf[RT][2];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt) {
+    xf[rt][0] = *reinterpret_cast<const uint2*>(s_xa + g * lay.xs + rt * 16 + 4 * t);
+    xf[rt][1] = *reinterpret_cast<const uint2*>(s_xa + (g + 8) * lay.xs + rt * 16 + 4 * t);
+  }
+  const uint16_t* B = static_cast<const uint16_t*>(a.b_pool) + int64_t(pb) * a.N * R;
+  uint16_t* out = static_cast<uint16_t*>(a.out);
+  const int64_t N = a.N;
+  const int64_t c0 = int64_t(blockIdx.y) * p.chunk_w, c1 = min(N, c0 + p.chunk_w);
+  const int ngroups = int((c1 - c0 + 31) / 32);
+  constexpr int UG = RT == 1 ? 4 : (RT == 2 ? 2 : 1);
+  uint16_t* orow[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) orow[h] = g + 8 * h < cnt ? out + int64_t(s_rows[g + 8 * h]) * N : nullptr;
+  const uint2 zero2 = make_uint2(0u, 0u);
+  for (int gi0 = w; gi0 < ngroups; gi0 += kDecWarps * UG) {
+    uint2 bv[UG][4][RT];
+    uint4 ov[UG][2];
+#pragma unroll
+    for (int u = 0; u < UG; ++u) {
+      const int64_t gc = c0 + int64_t(gi0 + u * kDecWarps) * 32;
+      const bool gin = gi0 + u * kDecWarps < ngroups;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int64_t col = gc + 8 * (g >> 1) + 2 * i + (g & 1);
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+          bv[u][i][rt] = gin && col < c1 && rt * 16 + 4 * t < R ? ldg8(B + col * R + rt * 16 + 4 * t) : zero2;
+      }
+      const int64_t oc = gc + 8 * t;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        ov[u][h] = make_uint4(0u, 0u, 0u, 0u);
+        if (!gin || orow[h] == nullptr || oc >= c1) continue;
+        if (p.nvec && oc + 8 <= c1) {
+          ov[u][h] = *reinterpret_cast<const uint4*>(orow[h] + oc);
+        } else {
+          uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+          for (int j = 0; j < 8 && oc + j < c1; ++j) tmp[j] = orow[h][oc + j];
+          memcpy(&ov[u][h], tmp, 16);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UG; ++u) {
+      const int64_t gc = c0 + int64_t(gi0 + u * kDecWarps) * 32;
+      if (gi0 + u * kDecWarps >= ngroups) continue;
+      float d[4][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.f;
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+          Mma<D>::run(d[i], xf[rt][0].x, xf[rt][1].x, xf[rt][0].y, xf[rt][1].y, bv[u][i][rt].x,
+                      bv[u][i][rt].y);
+      }
+      const int64_t oc = gc + 8 * t;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (orow[h] == nullptr || oc >= c1) continue;
+        uint16_t o[8];
+        memcpy(o, &ov[u][h], 16);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float delta = h2f<D>(f2h<D>(d[i][2 * h + c]));
+            o[2 * i + c] = f2h<D>(fold_add(h2f<D>(o[2 * i + c]), scale, delta));
+          }
+        if (p.nvec && oc + 8 <= c1) {
+          uint4 v;
+          memcpy(&v, o, 16);
+          *reinterpret_cast<uint4*>(orow[h] + oc) = v;
+        } else {
+          for (int j = 0; j < 8 && oc + j < c1; ++j) orow[h][oc + j] = o[j];
+        }
+      }
+    }
+  }
+}
+
+// Output columns per CTA: enough CTAs for two per SM when the cells are
+// few, in whole 32-column groups of at least 64 columns (each chunk repeats
+// the shrink of its batch).
+int64_t decode_chunk_w(int64_t N, int64_t batches) {
+  int64_t chunks = std::max<int64_t>(1, 2 * sm_count() / std::max<int64_t>(1, batches));
+  chunks = std::min<int64_t>({chunks, std::max<int64_t>(1, N / 64), 65535});
+  const int64_t w = (N + chunks - 1) / chunks;
+  return (w + 31) / 32 * 32;
+}
+
+template <DType D, int RT>
+cudaError_t gather_cells_rt(const DecodeParams& p, int smem, int64_t max_batches, cudaStream_t stream) {
+  auto kernel = gather_cells_kernel<D, RT>;
+  if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(kernel), smem);
+      err != cudaSuccess)
+    return err;
+  const int64_t chunks = (p.a.N + p.chunk_w - 1) / p.chunk_w;
+  kernel<<<dim3(unsigned(max_batches), unsigned(chunks), 1), kDecThreads, smem, stream>>>(p);
+  return cudaPeekAtLastError();
+}
+
+// Whether the decode cells kernel takes these arguments, and its launch.
+bool gather_cells(const GatherArgs& a, cudaStream_t stream, cudaError_t* err) {
+  if (a.K % 8 != 0 || a.R > kDecMaxRank || !aligned16(a.x) || !aligned16(a.a_pool) ||
+      !aligned16(a.b_pool) || a.n_slots >= INT_MAX / 4)
+    return false;
+  const int64_t nkeys = a.route.num_loras * a.route.n_experts;
+  const DecodeLayout lay(a.n_slots, nkeys, int(a.R));
+  if (nkeys <= 0 || lay.total > kDecSmemCap) return false;
+  DecodeParams p;
+  p.a = a;
+  p.nkeys = int(nkeys);
+  // batches: at most one per row, at most one per key plus one per full batch
+  const int64_t max_batches =
+      std::min<int64_t>(a.n_slots, nkeys + (a.n_slots + kBatchRows - 1) / kBatchRows);
+  p.chunk_w = decode_chunk_w(a.N, std::min<int64_t>(a.n_slots, nkeys));
+  p.nvec = a.N % 8 == 0 && aligned16(a.out);
+  const bool bf16 = a.dtype == DType::kBf16;
+  switch (rank_tiles(int(a.R))) {
+    case 1:
+      *err = bf16 ? gather_cells_rt<DType::kBf16, 1>(p, lay.total, max_batches, stream)
+                  : gather_cells_rt<DType::kF16, 1>(p, lay.total, max_batches, stream);
+      break;
+    case 2:
+      *err = bf16 ? gather_cells_rt<DType::kBf16, 2>(p, lay.total, max_batches, stream)
+                  : gather_cells_rt<DType::kF16, 2>(p, lay.total, max_batches, stream);
+      break;
+    default:
+      *err = bf16 ? gather_cells_rt<DType::kBf16, 4>(p, lay.total, max_batches, stream)
+                  : gather_cells_rt<DType::kF16, 4>(p, lay.total, max_batches, stream);
+      break;
+  }
+  return true;
+}
+
+}  // namespace
+}  // namespace fast
+
+cudaError_t launch_gather_fast(const GatherArgs& args, cudaStream_t stream) {
+  if (args.n_slots <= 0 || args.N <= 0 || args.K <= 0 || args.R <= 0) return cudaSuccess;
+  if (args.dtype == DType::kF32) return fast::launch_gather_f32(args, stream);
+  cudaError_t err = cudaSuccess;
+  if (fast::gather_cells(args, stream, &err)) return err;
+  return launch_gather_seed(args, stream);
+}
+
+}  // namespace moelora

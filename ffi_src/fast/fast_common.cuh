@@ -1,0 +1,171 @@
+// Device and host helpers shared by the tuned ("fast") fold kernels under
+// ffi_src/fast/: tensor-core mma wrappers, 16-byte loads, dtype conversions,
+// launch helpers, and the launchers each kernel file exports to the two
+// dispatchers (launch_gather_fast in decode_cells.cu, launch_grouped_fast in
+// prefill_cells.cu).
+#pragma once
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+
+#include "cuda_common.cuh"
+
+namespace moelora {
+namespace fast {
+
+// ---------------------------------------------------------------- mma ------
+
+template <DType D> struct Mma;
+template <> struct Mma<DType::kBf16> {
+  static __device__ __forceinline__ void run(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                             uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+template <> struct Mma<DType::kF16> {
+  static __device__ __forceinline__ void run(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                             uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+
+// ------------------------------------------------------------ loads --------
+
+// 8 consecutive 16-bit elements row[k .. k+8), zeros past K or when !valid.
+// vec: K % 8 == 0 and row 16-byte aligned (then the 8 are all in or all out).
+__device__ __forceinline__ uint4 load8(const uint16_t* row, int64_t k, int64_t K, bool vec,
+                                       bool valid) {
+  uint4 r = make_uint4(0u, 0u, 0u, 0u);
+  if (!valid || k >= K) return r;
+  if (vec) return __ldg(reinterpret_cast<const uint4*>(row + k));
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = k + 2 * i < K ? uint32_t(__ldg(row + k + 2 * i)) : 0u;
+    const uint32_t hi = k + 2 * i + 1 < K ? uint32_t(__ldg(row + k + 2 * i + 1)) : 0u;
+    w[i] = lo | (hi << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+template <DType D>
+__device__ __forceinline__ float h2f(uint16_t h) {
+  using T = typename Traits<D>::T;
+  T v;
+  memcpy(&v, &h, 2);
+  return Traits<D>::to_f(v);
+}
+template <DType D>
+__device__ __forceinline__ uint16_t f2h(float f) {
+  using T = typename Traits<D>::T;
+  T v = Traits<D>::from_f(f);
+  uint16_t h;
+  memcpy(&h, &v, 2);
+  return h;
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// The (table row, expert) a gather row folds with, or false when the row is
+// skipped before any table lookup (negative adapter, adapter past the table,
+// expert outside the table).
+__device__ __forceinline__ bool gather_row_cell(const GatherArgs& a, int64_t row, int* l, int* e) {
+  const int64_t ad = a.has_row_adapter ? int64_t(a.row_adapter[row / a.top_k]) : 0;
+  if (ad < 0) return false;
+  const int64_t ll = a.route.num_loras == 1 ? 0 : ad;
+  if (ll >= a.route.num_loras) return false;
+  const int64_t ee = a.indices[row];
+  if (ee < 0 || ee >= a.route.n_experts) return false;
+  *l = int(ll);
+  *e = int(ee);
+  return true;
+}
+
+// Launch parameters of the grouped kernels.
+struct GroupedParams {
+  GroupedArgs a;
+  int64_t n_clusters;
+  int e_eff;         // experts with tiles: min(table length, num_experts)
+  int smem_experts;  // e_eff when their spans fit in shared memory, else 0
+  bool kvec, nvec;
+};
+
+
+// ------------------------------------------------------------- host --------
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+inline bool aligned4(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 3u) == 0; }
+
+inline int sm_count() {
+  static int n = [] {
+    int dev = 0, v = 132;
+    if (cudaGetDevice(&dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess)
+      return v;
+    return 132;
+  }();
+  return n;
+}
+
+// Raise a kernel's dynamic shared-memory limit to `smem_bytes` on the current
+// device (a host-side attribute, no stream operation; cached per device).
+inline cudaError_t ensure_smem(const void* kernel, int smem_bytes) {
+  if (smem_bytes <= 48 * 1024) return cudaSuccess;
+  static std::mutex mu;
+  static std::unordered_map<const void*, int> raised[64];
+  int dev = 0;
+  if (const cudaError_t err = cudaGetDevice(&dev); err != cudaSuccess) return err;
+  std::lock_guard<std::mutex> lock(mu);
+  int& have = raised[dev & 63][kernel];
+  if (smem_bytes > have) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    if (err != cudaSuccess) return err;
+    have = smem_bytes;
+  }
+  return cudaSuccess;
+}
+
+template <class Params>
+inline cudaError_t launch(void (*kernel)(Params), const Params& prm, int64_t n_ctas, int C, int threads,
+                   int smem_bytes, cudaStream_t stream) {
+  if (n_ctas <= 0) return cudaSuccess;
+  if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(kernel), smem_bytes);
+      err != cudaSuccess)
+    return err;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(n_ctas), 1, 1);
+  cfg.blockDim = dim3(unsigned(threads), 1, 1);
+  cfg.dynamicSmemBytes = size_t(smem_bytes);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(C);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = C > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, prm);
+}
+
+// The one-CTA-a-row kernel reads x and A rows with 16-byte loads: K % 8 == 0
+
+// Launchers of the kernel files (dtype already checked by the dispatchers).
+cudaError_t launch_gather_f32(const GatherArgs& a, cudaStream_t stream);
+cudaError_t launch_grouped_f32(const GroupedArgs& a, cudaStream_t stream);
+cudaError_t launch_grouped_pairs(const GroupedArgs& a, cudaStream_t stream);
+
+}  // namespace fast
+}  // namespace moelora

@@ -1,0 +1,480 @@
+// Prefill fold (expert-sorted rows): the cells kernel, and
+// launch_grouped_fast, which picks the kernel for a grouped fold.
+//
+// A "batch" is up to MR = 8 * NRG rows of one tile that fold with one pair:
+// one A block [R, K], one B block [N, R]. One CTA of kCellThreads:
+//  1. shrink on the tensor cores: K streams in chunks of kCellKc through an
+//     S-stage cp.async pipeline (the chunk of A for RP ranks and of the
+//     batch's x rows, in shared memory, up to S chunks in flight); warp w
+//     multiplies the 32-wide slice w of every chunk (mma m16n8k16, rank in M,
+//     rows in N, fp32); the 8 warp partials are summed in warp order and
+//     rounded into xa (shared memory, activation dtype). Ranks go in passes
+//     of RP = 16 * SP, SP * NRG = 8 accumulator tiles per warp.
+//  2. expand on the tensor cores: the warps split the CTA's output columns
+//     in 16-column tiles, delta^T = B_cols . xa^T (K = R), rounded, folded
+//     into base_out.
+// Persistent CTAs walk the MR-row tiles of the expert spans in round-major
+// order; a tile's rows with one table row form a batch.
+
+#include "fast/fast_common.cuh"
+
+namespace moelora {
+namespace fast {
+namespace {
+
+constexpr int kCellThreads = 256;
+constexpr int kCellWarps = kCellThreads / 32;
+constexpr int kCellKc = kCellWarps * 32;        // k per stage: one 32-wide slice per warp
+constexpr int kCellAStride = kCellKc * 2 + 32;  // bytes per A row: rows 2 apart 64 B apart in banks
+constexpr int kCellXStride = kCellKc * 2 + 64;  // bytes per x row: adjacent rows 64 B apart
+constexpr int kCellStageBudget = 96 * 1024;     // shared memory for the pipeline stages
+constexpr int kCellMaxStages = 4;
+
+// Shared memory of a cells CTA (byte offsets).
+struct CellLayout {
+  int mr, r16, rp, xs;  // rows per batch, R rounded to 16, ranks per pass, xa row stride
+  int stage, stages;
+  int off_stage, off_xa, off_list, off_xrow, off_orow, off_misc, total;
+  __host__ __device__ CellLayout(int nrg, int R, int nstages) {
+    mr = 8 * nrg;
+    r16 = (R + 15) / 16 * 16;
+    const int sp = nrg >= 8 ? 1 : 8 / nrg;
+    rp = r16 < 16 * sp ? r16 : 16 * sp;
+    xs = r16 + 8;
+    stage = rp * kCellAStride + mr * kCellXStride;
+    stages = nstages;
+    const int wbuf = kCellWarps * mr * rp * 4;  // warp partials alias the stages
+    int o = 0;
+    off_stage = o; o += stages * stage > wbuf ? stages * stage : wbuf;
+    off_xa = o; o += (mr * xs * 2 + 15) / 16 * 16;
+    off_list = o; o += 128 * 4;  // the tile's table rows and tokens
+    off_xrow = o; o += mr * 4;
+    off_orow = o; o += mr * 4;
+    off_misc = o; o += 64 * 4;
+    total = (o + 127) / 128 * 128;
+  }
+  static int stages_for(int nrg, int R) {
+    const int s = kCellStageBudget / CellLayout(nrg, R, 1).stage;
+    return s < 1 ? 1 : (s > kCellMaxStages ? kCellMaxStages : s);
+  }
+};
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Wait until at most n committed groups are pending (n < kCellMaxStages).
+__device__ __forceinline__ void cp_async_wait_dyn(int n) {
+  switch (n) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    default: cp_async_wait<3>(); break;
+  }
+}
+
+// xa[q, :] = round(x[xrow[q]] . A[j]) for the batch's nrows rows (shared
+// memory). Every thread of the CTA calls it; it ends with a barrier.
+template <DType D, int NRG>
+__device__ void cell_shrink(char* smem, const CellLayout& lay, int nrows, const uint16_t* x,
+                            const uint16_t* A, int64_t K, int R) {
+  constexpr int SP = NRG >= 8 ? 1 : 8 / NRG;
+  constexpr int kPieces = kCellKc / 8;  // 16-byte pieces per row of a chunk
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int* s_xrow = reinterpret_cast<const int*>(smem + lay.off_xrow);
+  uint16_t* xa = reinterpret_cast<uint16_t*>(smem + lay.off_xa);
+  char* stages = smem + lay.off_stage;
+  float* wbuf = reinterpret_cast<float*>(stages);
+  const int nch = int((K + kCellKc - 1) / kCellKc);
+  const int nrg = (nrows + 7) / 8;
+  for (int p0 = 0; p0 < lay.r16; p0 += lay.rp) {
+    const int rp = min(lay.rp, lay.r16 - p0);
+    const int nslab = rp / 16;
+    const int npieces = (rp + nrg * 8) * kPieces;
+    auto issue = [&](int c, int buf) {
+      char* st = stages + buf * lay.stage;
+      const int64_t kb = int64_t(c) * kCellKc;
+      for (int i = tid; i < npieces; i += kCellThreads) {
+        const int ri = i / kPieces, seg = i - ri * kPieces;
+        const int64_t k = kb + seg * 8;
+        const uint16_t* src = A;
+        bool valid;
+        char* dst;
+        if (ri < rp) {
+          const int j = p0 + ri;
+          valid = j < R && k < K;
+          if (valid) src = A + int64_t(j) * K + k;
+          dst = st + ri * kCellAStride + seg * 16;
+        } else {
+          const int q = ri - rp;
+          valid = q < nrows && k < K;
+          if (valid) src = x + int64_t(s_xrow[q]) * K + k;
+          dst = st + rp * kCellAStride + q * kCellXStride + seg * 16;
+        }
+        cp_async16(dst, src, valid);
+      }
+    };
+    float acc[SP][NRG][4];
+#pragma unroll
+    for (int s = 0; s < SP; ++s)
+#pragma unroll
+      for (int r = 0; r < NRG; ++r)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[s][r][i] = 0.f;
+    for (int c = 0; c < lay.stages; ++c) {
+      if (c < nch) issue(c, c);
+      cp_async_commit();
+    }
+    const int kofs = (w * 32 + 8 * t) * 2;
+    for (int c = 0; c < nch; ++c) {
+      cp_async_wait_dyn(lay.stages - 1);  // chunk c has landed
+      __syncthreads();
+      const char* st = stages + (c % lay.stages) * lay.stage;
+      uint4 a0[SP], a1[SP];
+#pragma unroll
+      for (int s = 0; s < SP; ++s) {
+        if (s >= nslab) continue;
+        a0[s] = *reinterpret_cast<const uint4*>(st + (16 * s + 2 * g) * kCellAStride + kofs);
+        a1[s] = *reinterpret_cast<const uint4*>(st + (16 * s + 2 * g + 1) * kCellAStride + kofs);
+      }
+#pragma unroll
+      for (int r = 0; r < NRG; ++r) {
+        if (r >= nrg) continue;
+        const uint4 xf = *reinterpret_cast<const uint4*>(st + rp * kCellAStride +
+                                                         (r * 8 + g) * kCellXStride + kofs);
+#pragma unroll
+        for (int s = 0; s < SP; ++s) {
+          if (s >= nslab) continue;
+          Mma<D>::run(acc[s][r], a0[s].x, a1[s].x, a0[s].y, a1[s].y, xf.x, xf.y);
+          Mma<D>::run(acc[s][r], a0[s].z, a1[s].z, a0[s].w, a1[s].w, xf.z, xf.w);
+        }
+      }
+      __syncthreads();  // stage c % S is refilled next
+      if (c + lay.stages < nch) issue(c + lay.stages, c % lay.stages);
+      cp_async_commit();
+    }
+    cp_async_wait<0>();
+    // C fragment: c0 (rank 2g, row 2t), c1 (2g, 2t+1), c2 (2g+1, 2t), c3 (2g+1, 2t+1)
+#pragma unroll
+    for (int s = 0; s < SP; ++s) {
+      if (s >= nslab) continue;
+#pragma unroll
+      for (int r = 0; r < NRG; ++r) {
+        if (r >= nrg) continue;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int q = r * 8 + 2 * t + (i & 1);
+          wbuf[(w * lay.mr + q) * rp + 16 * s + 2 * g + (i >> 1)] = acc[s][r][i];
+        }
+      }
+    }
+    __syncthreads();
+    for (int e = tid; e < nrows * rp; e += kCellThreads) {
+      const int q = e / rp, jl = e - q * rp;
+      float v = wbuf[q * rp + jl];
+#pragma unroll
+      for (int ww = 1; ww < kCellWarps; ++ww) v += wbuf[(ww * lay.mr + q) * rp + jl];
+      xa[q * lay.xs + p0 + jl] = f2h<D>(v);
+    }
+    __syncthreads();  // the next pass refills the stages (= wbuf)
+  }
+}
+
+// out[orow[q], c0:c1] = round(out + scale * round(xa[q] . B[n])) for the
+// batch's rows, on the tensor cores. nvec: 4-byte output accesses allowed
+// (N even, out 4-byte aligned, c0 even).
+template <DType D, int NRG>
+__device__ void cell_expand(char* smem, const CellLayout& lay, int nrows, const uint16_t* B,
+                            uint16_t* out, int64_t N, int R, float scale, int64_t c0, int64_t c1,
+                            bool nvec) {
+  constexpr int U = NRG >= 4 ? 1 : 2;
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+  const uint16_t* xa = reinterpret_cast<const uint16_t*>(smem + lay.off_xa);
+  const int* s_orow = reinterpret_cast<const int*>(smem + lay.off_orow);
+  const int nmt = int((c1 - c0 + 15) / 16), nks = lay.r16 / 16, xs = lay.xs;
+  const int nrg = (nrows + 7) / 8;
+  for (int base = w; base < nmt; base += kCellWarps * U) {
+    float acc[U][NRG][4];
+    uint32_t ob[U][NRG][2];
+    int64_t col[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      col[u] = c0 + int64_t(base + kCellWarps * u) * 16 + 2 * g;
+      const bool uv = base + kCellWarps * u < nmt;
+#pragma unroll
+      for (int r = 0; r < NRG; ++r) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[u][r][i] = 0.f;
+        ob[u][r][0] = ob[u][r][1] = 0u;
+        if (!uv || r >= nrg) continue;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int q = r * 8 + 2 * t + h;
+          if (q >= nrows) continue;
+          const uint16_t* o = out + int64_t(s_orow[q]) * N + col[u];
+          if (nvec && col[u] + 1 < c1) {
+            ob[u][r][h] = *reinterpret_cast<const uint32_t*>(o);
+          } else {
+            const uint32_t lo = col[u] < c1 ? uint32_t(o[0]) : 0u;
+            const uint32_t hi = col[u] + 1 < c1 ? uint32_t(o[1]) : 0u;
+            ob[u][r][h] = lo | (hi << 16);
+          }
+        }
+      }
+    }
+    for (int ks = 0; ks < nks; ++ks) {
+      const int j = ks * 16 + 4 * t;
+      const bool jv = j < R;  // R % 8 == 0: 4 valid or none
+      uint2 b0[U], b1[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        b0[u] = b1[u] = make_uint2(0u, 0u);
+        if (!jv || base + kCellWarps * u >= nmt) continue;
+        if (col[u] < c1) b0[u] = __ldg(reinterpret_cast<const uint2*>(B + col[u] * R + j));
+        if (col[u] + 1 < c1)
+          b1[u] = __ldg(reinterpret_cast<const uint2*>(B + (col[u] + 1) * R + j));
+      }
+#pragma unroll
+      for (int r = 0; r < NRG; ++r) {
+        if (r >= nrg) continue;
+        const uint2 xf = *reinterpret_cast<const uint2*>(xa + (r * 8 + g) * xs + ks * 16 + 4 * t);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          Mma<D>::run(acc[u][r], b0[u].x, b1[u].x, b0[u].y, b1[u].y, xf.x, xf.y);
+      }
+    }
+    // c0 (col, row 2t), c1 (col, row 2t+1), c2 (col+1, row 2t), c3 (col+1, row 2t+1)
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (base + kCellWarps * u >= nmt) continue;
+#pragma unroll
+      for (int r = 0; r < NRG; ++r) {
+        if (r >= nrg) continue;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int q = r * 8 + 2 * t + h;
+          if (q >= nrows) continue;
+          const float d0 = h2f<D>(f2h<D>(acc[u][r][h]));
+          const float d1 = h2f<D>(f2h<D>(acc[u][r][2 + h]));
+          const uint32_t o = ob[u][r][h];
+          const uint32_t n0 = f2h<D>(fold_add(h2f<D>(uint16_t(o & 0xffffu)), scale, d0));
+          const uint32_t n1 = f2h<D>(fold_add(h2f<D>(uint16_t(o >> 16)), scale, d1));
+          uint16_t* dst = out + int64_t(s_orow[q]) * N + col[u];
+          if (nvec && col[u] + 1 < c1) {
+            *reinterpret_cast<uint32_t*>(dst) = n0 | (n1 << 16);
+          } else {
+            if (col[u] < c1) dst[0] = uint16_t(n0);
+            if (col[u] + 1 < c1) dst[1] = uint16_t(n1);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Start the batch's output columns [c0, c1) on their way into L2.
+__device__ __forceinline__ void prefetch_out_rows(const uint16_t* out, const int* s_orow, int nrows,
+                                                  int64_t N, int64_t c0, int64_t c1) {
+  const int64_t bytes = (c1 - c0) * 2, lines = (bytes + 127) / 128;
+  for (int64_t i = threadIdx.x; i < nrows * lines; i += blockDim.x) {
+    const int64_t q = i / lines, li = i - q * lines;
+    prefetch_l2(reinterpret_cast<const char*>(out + int64_t(s_orow[q]) * N + c0) + li * 128);
+  }
+}
+
+struct CellParams {
+  int stages;
+  int64_t chunk_w;  // output columns per CTA (multiple of 64)
+  bool nvec;
+};
+
+template <DType D, int NRG>
+__global__ void __launch_bounds__(kCellThreads, 2) grouped_cells_kernel(const GroupedParams prm,
+                                                                      const CellParams cp) {
+  constexpr int MR = 8 * NRG;
+  static_assert(MR <= 64, "tile rows");
+  extern __shared__ __align__(128) char smem[];
+  const GroupedArgs& a = prm.a;
+  const CellLayout lay(NRG, int(a.R), cp.stages);
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int64_t lo = max(int64_t(0), a.row_offset), hi = min(a.row_end, a.te);
+  const int E = prm.e_eff, R = int(a.R);
+  const int64_t c0 = int64_t(blockIdx.y) * cp.chunk_w, c1 = min(a.N, c0 + cp.chunk_w);
+  int* s_misc = reinterpret_cast<int*>(smem + lay.off_misc);
+  int* s_l = reinterpret_cast<int*>(smem + lay.off_list);  // [64] table row or -1
+  int* s_tok = s_l + 64;
+  int* s_xrow = reinterpret_cast<int*>(smem + lay.off_xrow);
+  int* s_orow = reinterpret_cast<int*>(smem + lay.off_orow);
+  auto span = [&](int e, int64_t* start, int64_t* len) {
+    int64_t s0 = a.expert_offsets[e], s1 = a.expert_offsets[e + 1];
+    s0 = min(max(s0, lo), hi);
+    s1 = min(max(s1, s0), hi);
+    *start = s0;
+    *len = s1 - s0;
+  };
+  int local_max = 0;
+  for (int e = tid; e < E; e += kCellThreads) {
+    int64_t st, ln;
+    span(e, &st, &ln);
+    local_max = max(local_max, int((ln + MR - 1) / MR));
+  }
+  local_max = __reduce_max_sync(0xffffffffu, local_max);
+  if (lane == 0) s_misc[tid >> 5] = local_max;
+  __syncthreads();
+  int max_tiles = 0;
+#pragma unroll
+  for (int i = 0; i < kCellWarps; ++i) max_tiles = max(max_tiles, s_misc[i]);
+  __syncthreads();
+  const RouteView& rt = a.route;
+  const bool need_tok = a.x_gather || a.has_row_adapter;
+  const uint16_t* x = static_cast<const uint16_t*>(a.x);
+  uint16_t* out = static_cast<uint16_t*>(a.out);
+  const int64_t total_v = int64_t(E) * max_tiles;
+  for (int64_t v = blockIdx.x; v < total_v; v += gridDim.x) {
+    const int i = int(v / E), e = int(v % E);
+    int64_t st, ln;
+    span(e, &st, &ln);
+    const int64_t r0 = st + int64_t(i) * MR;
+    if (r0 >= st + ln) continue;  // uniform over the CTA
+    const int cnt = int(min(int64_t(MR), st + ln - r0));
+    if (tid < 64) {
+      int lv = -1, tok = 0;
+      if (tid < cnt) {
+        int64_t tk, ad;
+        if (grouped_row_adapter(a.sorted_token_ids, a.row_adapter, a.has_row_adapter,
+                                a.num_tokens, a.x_gather, r0 + tid, &tk, &ad)) {
+          const int64_t ll = rt.num_loras == 1 ? 0 : ad;
+          if (ad >= 0 && ll < rt.num_loras) lv = int(ll);
+          tok = need_tok ? int(tk) : 0;
+        }
+      }
+      s_l[tid] = lv;
+      s_tok[tid] = tok;
+    }
+    __syncthreads();
+    const int v0 = s_l[lane], v1 = s_l[lane + 32];
+    int prev = -1;
+    for (;;) {
+      // the next table row present in the tile (every warp computes the same)
+      const int m0 = v0 > prev ? v0 : INT_MAX, m1 = v1 > prev ? v1 : INT_MAX;
+      const int cur = __reduce_min_sync(0xffffffffu, min(m0, m1));
+      if (cur == INT_MAX) break;
+      prev = cur;
+      Pair pair;
+      if (!resolve_pair(rt, cur, e, &pair)) continue;
+      const unsigned b0 = __ballot_sync(0xffffffffu, v0 == cur);
+      const unsigned b1 = __ballot_sync(0xffffffffu, v1 == cur);
+      const int nrows = __popc(b0) + __popc(b1);
+      if (tid < 64) {
+        const bool mine = tid < 32 ? ((b0 >> tid) & 1u) : ((b1 >> (tid - 32)) & 1u);
+        if (mine) {
+          const int pos = tid < 32 ? __popc(b0 & ((1u << tid) - 1u))
+                                   : __popc(b0) + __popc(b1 & ((1u << (tid - 32)) - 1u));
+          const int r = int(r0 + tid);
+          s_orow[pos] = r;
+          s_xrow[pos] = a.x_gather ? s_tok[tid] : r;
+        }
+      }
+      __syncthreads();
+      prefetch_out_rows(out, s_orow, nrows, a.N, c0, c1);
+      const uint16_t* A = static_cast<const uint16_t*>(a.a_pool) + int64_t(pair.a) * R * a.K;
+      const uint16_t* B = static_cast<const uint16_t*>(a.b_pool) + int64_t(pair.b) * a.N * R;
+      cell_shrink<D, NRG>(smem, lay, nrows, x, A, a.K, R);
+      cell_expand<D, NRG>(smem, lay, nrows, B, out, a.N, R, pair.scale, c0, c1, cp.nvec);
+      __syncthreads();  // s_xrow, s_orow and xa are rewritten by the next pass
+    }
+    __syncthreads();  // s_l and s_tok are rewritten by the next tile
+  }
+}
+
+// Output columns per CTA for `units` units of work: enough CTAs for every SM,
+// chunks of whole 64-column multiples (each chunk repeats the shrink).
+int64_t cell_chunk_w(int64_t N, int64_t units) {
+  int64_t chunks = std::max<int64_t>(1, sm_count() / std::max<int64_t>(1, units));
+  chunks = std::min<int64_t>({chunks, (N + 63) / 64, 65535});
+  int64_t w = (N + chunks - 1) / chunks;
+  return (w + 63) / 64 * 64;
+}
+
+template <DType D, int NRG>
+cudaError_t grouped_cells_nrg(const GroupedArgs& a, cudaStream_t stream) {
+  constexpr int MR = 8 * NRG;
+  GroupedParams prm = {};
+  prm.a = a;
+  const int64_t lo = std::max<int64_t>(0, a.row_offset), hi = std::min<int64_t>(a.row_end, a.te);
+  if (hi <= lo) return cudaSuccess;
+  prm.e_eff = int(std::min<int64_t>(a.route.n_experts, a.num_experts));
+  if (prm.e_eff <= 0) return cudaSuccess;
+  CellParams cp;
+  cp.stages = CellLayout::stages_for(NRG, int(a.R));
+  const CellLayout lay(NRG, int(a.R), cp.stages);
+  const int64_t tiles = (hi - lo + MR - 1) / MR + prm.e_eff;
+  cp.chunk_w = cell_chunk_w(a.N, tiles);
+  cp.nvec = a.N % 2 == 0 && aligned4(a.out);
+  const int64_t chunks = (a.N + cp.chunk_w - 1) / cp.chunk_w;
+  auto kernel = grouped_cells_kernel<D, NRG>;
+  if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(kernel), lay.total);
+      err != cudaSuccess)
+    return err;
+  int per_sm = 1;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kCellThreads, lay.total) !=
+          cudaSuccess ||
+      per_sm < 1)
+    per_sm = 1;
+  const int64_t ctas = std::min<int64_t>(tiles, int64_t(sm_count()) * per_sm);
+  kernel<<<dim3(unsigned(ctas), unsigned(chunks), 1), kCellThreads, lay.total, stream>>>(prm, cp);
+  return cudaPeekAtLastError();
+}
+
+// Prefill tiles of 64 rows at rank <= 16, 32 at rank <= 32, else 16 (the
+// accumulators of a warp stay at 8 tensor-core tiles).
+template <DType D>
+cudaError_t grouped_cells(const GroupedArgs& a, cudaStream_t stream) {
+  if (a.R <= 16) return grouped_cells_nrg<D, 8>(a, stream);
+  if (a.R <= 32) return grouped_cells_nrg<D, 4>(a, stream);
+  return grouped_cells_nrg<D, 2>(a, stream);
+}
+
+// The cells kernels read x and A with 16-byte copies and keep row ids in int.
+bool cells_fit(const void* x, const void* a_pool, const void* b_pool, int64_t K, int64_t rows) {
+  return K % 8 == 0 && aligned16(x) && aligned16(a_pool) && aligned16(b_pool) && rows < INT_MAX;
+}
+
+// The cells kernel streams a pair's A block once per (tile, table row) pass;
+// tiles shared by several adapters at long K (Mixtral-sized) run faster on the
+// pairs kernel's 32-row tiles, and shapes the cells kernel cannot read with
+// 16-byte copies take the pairs kernel too (docs/perf.md).
+bool use_grouped_cells(const GroupedArgs& a) {
+  if (!cells_fit(a.x, a.a_pool, a.b_pool, a.K, a.te)) return false;
+  return !(a.route.num_loras > 1 && a.K >= 4096);
+}
+
+}  // namespace
+}  // namespace fast
+
+cudaError_t launch_grouped_fast(const GroupedArgs& args, cudaStream_t stream) {
+  using namespace fast;
+  if (args.te <= 0 || args.N <= 0 || args.K <= 0 || args.R <= 0) return cudaSuccess;
+  switch (args.dtype) {
+    case DType::kBf16:
+      return use_grouped_cells(args) ? grouped_cells<DType::kBf16>(args, stream)
+                                     : launch_grouped_pairs(args, stream);
+    case DType::kF16:
+      return use_grouped_cells(args) ? grouped_cells<DType::kF16>(args, stream)
+                                     : launch_grouped_pairs(args, stream);
+    case DType::kF32:
+      return launch_grouped_f32(args, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace moelora

@@ -1,0 +1,153 @@
+// fp32 folds (gather and grouped): one CTA per (row, column chunk) on the
+// CUDA cores, no TF32 (fp32 results are held to the fp32 tolerance).
+//
+// The router's LoRA is the typical fp32 fold: a short batch of rows, K =
+// hidden, a few ranks, N = num_experts. A row's bytes (its x row, the A block
+// [R, K], the B block [N, R], its output columns) are few, so the kernel
+// puts them all in flight at once:
+//   1. shrink: the 256 threads split K in 4-wide pieces (16-byte loads); each
+//      thread keeps kRankPass partial sums, one per rank of the pass, in k
+//      order; a fixed butterfly per warp, then the 8 warp sums in warp order
+//      give xa (shared memory);
+//   2. expand: thread t folds columns c0 + t, c0 + t + 256, ...:
+//      delta = xa . B[n] in rank order, out = out + scale * delta.
+// The same device function serves both folds, so a row gets the same bits
+// from either.
+
+#include "fast/fast_common.cuh"
+
+namespace moelora {
+namespace fast {
+namespace {
+
+constexpr int kF32Threads = 256;
+constexpr int kF32Warps = kF32Threads / 32;
+constexpr int kRankPass = 8;        // ranks per shrink pass (partial sums per thread)
+constexpr int64_t kF32Cols = 1024;  // output columns per CTA
+
+__device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
+  acc = fmaf(a.x, b.x, acc);
+  acc = fmaf(a.y, b.y, acc);
+  acc = fmaf(a.z, b.z, acc);
+  return fmaf(a.w, b.w, acc);
+}
+
+// Fold one row: x [K], A [R, K], B [N, R] of its pair, output row orow,
+// columns [c0, c1). vec: 16-byte loads (see f32_vec).
+__device__ void f32_fold_row(const float* __restrict__ x, const float* __restrict__ A,
+                             const float* __restrict__ B, float scale, int64_t K, int R, int64_t N,
+                             float* orow, int64_t c0, int64_t c1, bool vec) {
+  __shared__ float s_part[kF32Warps][kRankPass];
+  __shared__ float s_xa[kMaxRank];
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  for (int p0 = 0; p0 < R; p0 += kRankPass) {
+    float acc[kRankPass];
+#pragma unroll
+    for (int j = 0; j < kRankPass; ++j) acc[j] = 0.f;
+    if (vec) {
+#pragma unroll 2
+      for (int64_t k = int64_t(tid) * 4; k < K; k += kF32Threads * 4) {
+        const float4 xv = __ldg(reinterpret_cast<const float4*>(x + k));
+#pragma unroll
+        for (int j = 0; j < kRankPass; ++j)
+          if (p0 + j < R)
+            acc[j] = dot4(__ldg(reinterpret_cast<const float4*>(A + int64_t(p0 + j) * K + k)), xv,
+                          acc[j]);
+      }
+    } else {
+      for (int64_t k = tid; k < K; k += kF32Threads) {
+        const float xv = __ldg(x + k);
+#pragma unroll
+        for (int j = 0; j < kRankPass; ++j)
+          if (p0 + j < R) acc[j] = fmaf(__ldg(A + int64_t(p0 + j) * K + k), xv, acc[j]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRankPass; ++j) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int j = 0; j < kRankPass; ++j) s_part[w][j] = acc[j];
+    }
+    __syncthreads();
+    if (tid < kRankPass && p0 + tid < R) {
+      float v = s_part[0][tid];
+#pragma unroll
+      for (int ww = 1; ww < kF32Warps; ++ww) v += s_part[ww][tid];
+      s_xa[p0 + tid] = v;
+    }
+    __syncthreads();
+  }
+  for (int64_t n = c0 + tid; n < c1; n += kF32Threads) {
+    const float* brow = B + n * R;
+    float acc = 0.f;
+    if (vec && R % 4 == 0) {
+      for (int j = 0; j < R; j += 4)
+        acc = dot4(__ldg(reinterpret_cast<const float4*>(brow + j)),
+                   make_float4(s_xa[j], s_xa[j + 1], s_xa[j + 2], s_xa[j + 3]), acc);
+    } else {
+      for (int j = 0; j < R; ++j) acc = fmaf(__ldg(brow + j), s_xa[j], acc);
+    }
+    orow[n] = fold_add(orow[n], scale, acc);
+  }
+}
+
+__global__ void __launch_bounds__(kF32Threads) gather_f32_kernel(const GatherArgs a, bool vec) {
+  const int64_t row = blockIdx.x;
+  int l, e;
+  if (!gather_row_cell(a, row, &l, &e)) return;
+  Pair pair;
+  if (!resolve_pair(a.route, l, e, &pair)) return;
+  const int64_t c0 = int64_t(blockIdx.y) * kF32Cols, c1 = min(a.N, c0 + kF32Cols);
+  const int64_t xrow = a.x_gather ? row / a.top_k : row;
+  f32_fold_row(static_cast<const float*>(a.x) + xrow * a.K,
+               static_cast<const float*>(a.a_pool) + int64_t(pair.a) * a.R * a.K,
+               static_cast<const float*>(a.b_pool) + int64_t(pair.b) * a.N * a.R, pair.scale,
+               a.K, int(a.R), a.N, static_cast<float*>(a.out) + row * a.N, c0, c1, vec);
+}
+
+__global__ void __launch_bounds__(kF32Threads)
+    grouped_f32_kernel(const GroupedArgs a, int64_t lo, bool vec) {
+  const int64_t r = lo + blockIdx.x;
+  const int64_t e = find_expert(a.expert_offsets, a.num_experts, r);
+  if (e < 0) return;
+  int64_t tok, ad;
+  if (!grouped_row_adapter(a.sorted_token_ids, a.row_adapter, a.has_row_adapter, a.num_tokens,
+                           a.x_gather, r, &tok, &ad))
+    return;
+  Pair pair;
+  if (!resolve_pair(a.route, ad, e, &pair)) return;
+  const int64_t c0 = int64_t(blockIdx.y) * kF32Cols, c1 = min(a.N, c0 + kF32Cols);
+  const int64_t xrow = a.x_gather ? tok : r;
+  f32_fold_row(static_cast<const float*>(a.x) + xrow * a.K,
+               static_cast<const float*>(a.a_pool) + int64_t(pair.a) * a.R * a.K,
+               static_cast<const float*>(a.b_pool) + int64_t(pair.b) * a.N * a.R, pair.scale,
+               a.K, int(a.R), a.N, static_cast<float*>(a.out) + r * a.N, c0, c1, vec);
+}
+
+// 16-byte loads of x, A and B rows: K % 4 == 0 and 16-byte aligned arrays.
+bool f32_vec(const void* x, const void* a_pool, const void* b_pool, int64_t K) {
+  return K % 4 == 0 && aligned16(x) && aligned16(a_pool) && aligned16(b_pool);
+}
+
+}  // namespace
+
+cudaError_t launch_gather_f32(const GatherArgs& a, cudaStream_t stream) {
+  const dim3 grid(unsigned(a.n_slots), unsigned((a.N + kF32Cols - 1) / kF32Cols), 1);
+  gather_f32_kernel<<<grid, kF32Threads, 0, stream>>>(a, f32_vec(a.x, a.a_pool, a.b_pool, a.K));
+  return cudaPeekAtLastError();
+}
+
+cudaError_t launch_grouped_f32(const GroupedArgs& a, cudaStream_t stream) {
+  const int64_t lo = std::max<int64_t>(0, a.row_offset);
+  const int64_t hi = std::min<int64_t>(a.row_end, a.te);
+  if (hi <= lo) return cudaSuccess;
+  const dim3 grid(unsigned(hi - lo), unsigned((a.N + kF32Cols - 1) / kF32Cols), 1);
+  grouped_f32_kernel<<<grid, kF32Threads, 0, stream>>>(a, lo, f32_vec(a.x, a.a_pool, a.b_pool, a.K));
+  return cudaPeekAtLastError();
+}
+
+}  // namespace fast
+}  // namespace moelora
