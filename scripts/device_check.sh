@@ -7,8 +7,9 @@
 #   run: bash scripts/device_check.sh                 (timeout_s 600)
 #   env: STEPS="build bench bench2 timing suite memcheck racecheck initcheck synccheck ncu scaling"
 #        BENCH="<bench args>"  BENCH2="<a second bench>"  TESTS="<pytest args of the suite step>"
-#        SAN_TESTS="<pytest args of the sanitizer steps>"  KERNELS=<ncu name regex>
-#        NCU_ARGS="<bench args of the ncu step>"
+#        SAN_FILES="<test files of the sanitizer steps>"  SAN_K="<their -k expression>"
+#        KERNELS=<ncu name regex>  NCU_ARGS="<bench args of the ncu step>"
+#        CMDBUF_FLAGS="<XLA_FLAGS of the cmdbuf step's second runs>"
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 R=$OUT/r; mkdir -p "$R"
@@ -27,11 +28,19 @@ if has build; then
   step build; timeout 200 python3 -m pip install --no-build-isolation --no-deps . > "$R/build.log" 2>&1; step "build rc=$?"
   python3 -m jax_moelora info >> "$R/build.log" 2>&1
 fi
-SAN=${SAN_TESTS:--m gpu tests/test_folds.py tests/test_stacked.py -k "fast and not large"}
 san() {  # san TOOL SECONDS: compute-sanitizer TOOL over the sanitizer tests
   step "$1"; timeout "$2" compute-sanitizer --tool "$1" --print-limit 20 \
-    python3 -m pytest -q -p no:cacheprovider -x $SAN > "$R/$1.log" 2>&1; step "$1 rc=$?"
+    python3 -m pytest -q -p no:cacheprovider -x -m gpu -k "${SAN_K:-fast and not large}" \
+    ${SAN_FILES:-tests/test_folds.py tests/test_stacked.py} > "$R/$1.log" 2>&1; step "$1 rc=$?"
 }
+if has cmdbuf; then  # the same folds with XLA's command buffers forced around custom calls
+  CB="--models qwen --projs gate --tokens 1,64 --ranks 16 --adapters 4 --methods fast --no-check --no-plot"
+  CBF=${CMDBUF_FLAGS:---xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1}
+  step cmdbuf; timeout 100 python3 -m jax_moelora bench $CB --out "$R/cb0" > "$R/cmdbuf.log" 2>&1
+  XLA_FLAGS="$CBF" timeout 100 python3 -m jax_moelora bench $CB --out "$R/cb1" >> "$R/cmdbuf.log" 2>&1
+  XLA_FLAGS="$CBF" timeout 90 python3 -m jax_moelora demo --timing --repeats 10 > "$R/timing_cmdbuf.log" 2>&1
+  step "cmdbuf rc=$?"
+fi
 if has bench; then
   step bench; timeout 240 python3 -m jax_moelora bench ${BENCH:---quick --methods fast,einsum} --out "$R/bench" > "$R/bench.log" 2>&1; step "bench rc=$?"
 fi

@@ -446,9 +446,29 @@ def test_cuda_graphs_on_and_off_give_the_same_bits(tmp_path, impl):
                          ids=["L1-K4096", "L3-K2048", "L3-K4096"])
 @pytest.mark.parametrize("impl", [pytest.param("fast", marks=GPU)])
 def test_fast_grouped_kernels_match_reference(rng, impl, num_loras, k_in):
-    """Both fast grouped kernels: the cells kernel, and the v2b kernel that
-    tiles shared by several adapters take at K >= 4096 (moe_lora_fast.cu)."""
+    """Both fast grouped kernels: the cells kernel, and the pairs kernel that
+    tiles shared by several adapters take at K >= 4096 (ffi_src/fast/)."""
     case = make_grouped_case(rng, num_tokens=512, rows_per_expert=150, num_loras=num_loras,
                              k_in=k_in, n_out=320, ranks=(8, 16), max_rank=16, n_experts=6,
                              x_gather=1)
+    _check(case, case.run(impl), impl)
+
+
+@pytest.mark.parametrize("shape", [
+    dict(num_tokens=8, top_k=2, n_experts=64, num_loras=4),     # ~1 row per cell: rows kernel
+    dict(num_tokens=1, top_k=8, n_experts=64, num_loras=1),     # T = 1
+    dict(num_tokens=64, top_k=2, n_experts=4, num_loras=2),     # many rows per cell: cells kernel
+    dict(num_tokens=40, top_k=4, n_experts=8, num_loras=3, ranks=(24, 40), max_rank=48),
+], ids=["rows", "rows-T1", "cells", "cells-R48"])
+@pytest.mark.parametrize("x_gather", [0, 1])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("impl", [pytest.param("fast", marks=GPU)])
+def test_fast_gather_kernels_match_reference(rng, impl, dtype, x_gather, shape):
+    """Both fast decode kernels (launch_gather_fast picks rows or cells by the
+    rows per (adapter, expert) cell), with output widths that are not a
+    multiple of the 16-byte vectors, against the reference."""
+    shape = dict(shape)
+    kw = dict(ranks=shape.pop("ranks", (8, 16)), max_rank=shape.pop("max_rank", 16))
+    case = make_gather_case(rng, dtype=dtype, x_gather=x_gather, k_in=256, n_out=200, **kw,
+                            **shape)
     _check(case, case.run(impl), impl)

@@ -1,5 +1,11 @@
 // Decode fold (unsorted flat rows, bf16 / f16): the decode cells kernel, and
-// launch_gather_fast, which picks the kernel for a gather fold.
+// launch_gather_fast, which picks the kernel for a gather fold:
+//   - fp32: rows_f32.cu;
+//   - cells that hold about one row each (rows / min(rows, L * E_t) < 2, e.g.
+//     T <= 64 on 128 experts with 4 adapters): decode_rows.cu, one CTA a row;
+//     grouping buys nothing there and the cells kernel's metadata pass costs;
+//   - otherwise the cells kernel below, which reads each A and B block once
+//     per batch of up to 16 rows.
 //
 // A cell is one (table row, expert) pair: one A block [R, K] and one B block
 // [N, R]. A batch is up to kBatchRows rows of one cell. One CTA of 256
@@ -278,7 +284,9 @@ __global__ void __launch_bounds__(kDecThreads) gather_cells_kernel(const DecodeP
           ov[u][h] = *reinterpret_cast<const uint4*>(orow[h] + oc);
         } else {
           uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          for (int j = 0; j < 8 && oc + j < c1; ++j) tmp[j] = orow[h][oc + j];
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            if (oc + j < c1) tmp[j] = orow[h][oc + j];
           memcpy(&ov[u][h], tmp, 16);
         }
       }
@@ -314,7 +322,9 @@ __global__ void __launch_bounds__(kDecThreads) gather_cells_kernel(const DecodeP
           memcpy(&v, o, 16);
           *reinterpret_cast<uint4*>(orow[h] + oc) = v;
         } else {
-          for (int j = 0; j < 8 && oc + j < c1; ++j) orow[h][oc + j] = o[j];
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            if (oc + j < c1) orow[h][oc + j] = o[j];
         }
       }
     }
@@ -383,6 +393,10 @@ cudaError_t launch_gather_fast(const GatherArgs& args, cudaStream_t stream) {
   if (args.n_slots <= 0 || args.N <= 0 || args.K <= 0 || args.R <= 0) return cudaSuccess;
   if (args.dtype == DType::kF32) return fast::launch_gather_f32(args, stream);
   cudaError_t err = cudaSuccess;
+  const bool fits = args.K % 8 == 0 && fast::aligned16(args.x) && fast::aligned16(args.a_pool) &&
+                    fast::aligned16(args.b_pool);
+  const int64_t cells = std::min<int64_t>(args.n_slots, args.route.num_loras * args.route.n_experts);
+  if (fits && args.n_slots < 2 * cells) return fast::launch_gather_rows(args, stream);
   if (fast::gather_cells(args, stream, &err)) return err;
   return launch_gather_seed(args, stream);
 }

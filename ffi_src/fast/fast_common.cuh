@@ -164,6 +164,7 @@ inline cudaError_t launch(void (*kernel)(Params), const Params& prm, int64_t n_c
 
 // Launchers of the kernel files (dtype already checked by the dispatchers).
 cudaError_t launch_gather_f32(const GatherArgs& a, cudaStream_t stream);
+cudaError_t launch_gather_rows(const GatherArgs& a, cudaStream_t stream);
 cudaError_t launch_grouped_f32(const GroupedArgs& a, cudaStream_t stream);
 cudaError_t launch_grouped_pairs(const GroupedArgs& a, cudaStream_t stream);
 
