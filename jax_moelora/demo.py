@@ -134,6 +134,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="base expert matmuls (see MoEBlock)")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank in --timing (16)")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                        help="with --timing: profile one run of each variant into DIR and "
+                             "print the GPU kernel time per step by kernel name")
     parser.add_argument("--timing", action="store_true",
                         help="decode-step time with and without LoRA (GPU measurement)")
     parser.add_argument("--repeats", type=int, default=20,
@@ -521,6 +524,17 @@ def _run_timing(args, impl: str, console) -> int:
     lora = results[variants[2][0]]["step_s"]
     console.print(f"LoRA overhead: {100.0 * (lora - base) / base:+.1f} % "
                   f"({_ms(base)} -> {_ms(lora)} per decode step)")
+    if args.trace:
+        from jax_moelora.step_profile import kernel_times
+
+        for i, (label, _, ids) in enumerate(variants):
+            prof = kernel_times(fns[label], state, h, ids, calls=inner,
+                                folder=args.trace / f"variant{i}")
+            results[label]["kernels"] = prof
+            top = ", ".join(f"{name[:60]} {us:.1f}" for name, us in
+                            list(prof["per_call_us"].items())[:12])
+            console.print(f"[bold]{label}[/]: kernels {prof['total_us']:.1f} µs per step, span "
+                          f"{prof['span_us']:.1f} µs; top (µs per step): {top}")
     if args.json:
         args.json.write_text(json.dumps(dict(
             mode="timing", backend=jax.default_backend(), device=_device(), impl=impl,

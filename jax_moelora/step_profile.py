@@ -1,0 +1,68 @@
+"""Kernel time per name in a jitted program, from a JAX profiler trace.
+
+``kernel_times(fn, *args, calls=...)`` runs ``fn(*args)`` under
+``jax.profiler.trace`` (with a Perfetto trace), then sums the duration of
+every GPU kernel by name and divides by ``calls``: the device time each kernel
+costs per call, and the wall span from the first kernel's start to the last
+one's end. ``demo --timing --trace DIR`` uses it to split a decode step into
+its kernels (the LoRA folds, the router, XLA's fusions around them).
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+
+__all__ = ["kernel_times", "read_trace"]
+
+
+def read_trace(folder: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The GPU kernel events (``name``, ``ts``, ``dur`` in µs) of the newest
+    trace under ``folder``: events of the processes named after a GPU, on the
+    threads named after a stream; and the names of every traced process."""
+    files = sorted(Path(folder).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    files += sorted(Path(folder).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise FileNotFoundError(f"no trace (*.trace.json.gz) under {folder}")
+    with gzip.open(files[-1], "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    procs, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            procs[e["pid"]] = str(e.get("args", {}).get("name", ""))
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e.get("tid"))] = str(e.get("args", {}).get("name", ""))
+    gpu = {pid for pid, name in procs.items() if "GPU" in name or "gpu" in name}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu]
+    streams = [e for e in kernels if "Stream" in threads.get((e["pid"], e.get("tid")), "")]
+    return ([{"name": e["name"], "ts": float(e["ts"]), "dur": float(e.get("dur", 0.0))}
+             for e in (streams or kernels)], sorted(procs.values()))
+
+
+def kernel_times(fn: Callable, *args: Any, calls: int, folder: str | Path) -> dict[str, Any]:
+    """Run ``fn(*args)`` (compiled beforehand by the caller) under the profiler.
+
+    Returns ``{"per_call_us": {name: µs}, "total_us": µs, "span_us": µs,
+    "count": {name: launches per call}, "processes": [traced process names]}``,
+    every figure divided by ``calls`` (the number of steps ``fn`` runs); no
+    kernels when no GPU process was traced."""
+    jax.block_until_ready(fn(*args))
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+        jax.block_until_ready(fn(*args))
+    events, processes = read_trace(folder)
+    if not events:
+        return {"per_call_us": {}, "total_us": 0.0, "span_us": 0.0, "count": {},
+                "processes": processes}
+    dur, count = collections.Counter(), collections.Counter()
+    for e in events:
+        dur[e["name"]] += e["dur"]
+        count[e["name"]] += 1
+    span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+    return {"per_call_us": {k: v / calls for k, v in dur.most_common()},
+            "total_us": sum(dur.values()) / calls, "span_us": span / calls,
+            "count": {k: v / calls for k, v in count.items()}, "processes": processes}
