@@ -457,9 +457,10 @@ def test_fast_grouped_kernels_match_reference(rng, impl, num_loras, k_in):
 @pytest.mark.parametrize("shape", [
     dict(num_tokens=8, top_k=2, n_experts=64, num_loras=4),     # ~1 row per cell: rows kernel
     dict(num_tokens=1, top_k=8, n_experts=64, num_loras=1),     # T = 1
+    dict(num_tokens=8, top_k=2, n_experts=64, num_loras=4, ranks=(24, 40), max_rank=40),
     dict(num_tokens=64, top_k=2, n_experts=4, num_loras=2),     # many rows per cell: cells kernel
     dict(num_tokens=40, top_k=4, n_experts=8, num_loras=3, ranks=(24, 40), max_rank=48),
-], ids=["rows", "rows-T1", "cells", "cells-R48"])
+], ids=["rows", "rows-T1", "rows-R40", "cells", "cells-R48"])
 @pytest.mark.parametrize("x_gather", [0, 1])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("impl", [pytest.param("fast", marks=GPU)])

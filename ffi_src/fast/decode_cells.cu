@@ -393,10 +393,9 @@ cudaError_t launch_gather_fast(const GatherArgs& args, cudaStream_t stream) {
   if (args.n_slots <= 0 || args.N <= 0 || args.K <= 0 || args.R <= 0) return cudaSuccess;
   if (args.dtype == DType::kF32) return fast::launch_gather_f32(args, stream);
   cudaError_t err = cudaSuccess;
-  const bool fits = args.K % 8 == 0 && fast::aligned16(args.x) && fast::aligned16(args.a_pool) &&
-                    fast::aligned16(args.b_pool);
   const int64_t cells = std::min<int64_t>(args.n_slots, args.route.num_loras * args.route.n_experts);
-  if (fits && args.n_slots < 2 * cells) return fast::launch_gather_rows(args, stream);
+  if (fast::gather_rows_fits(args) && args.n_slots < 2 * cells)
+    return fast::launch_gather_rows(args, stream);
   if (fast::gather_cells(args, stream, &err)) return err;
   return launch_gather_seed(args, stream);
 }

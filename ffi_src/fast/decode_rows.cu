@@ -2,14 +2,19 @@
 // the kernel for batches whose cells hold about one row each, where grouping
 // rows buys nothing (launch_gather_fast's heuristic, decode_cells.cu).
 //
-// A decode row is a matrix-vector product bound by loads:
-//   1. warp w computes xa[j] for j = w, w + 8, ...: lanes stride K with
-//      16-byte loads of A and x (fp32 partial sums in k order per lane, then a
-//      fixed butterfly), rounded to the dtype into shared memory;
-//   2. thread t folds columns c0 + t, c0 + t + kRowThreads, ... of the chunk:
-//      delta = round(xa . B[n]) (16-byte loads of the B row, rank order),
-//      out = round(out + scale * delta).
-// One barrier; A and B blocks shared by several rows are re-read from L2.
+// A decode row is a matrix-vector product bound by the latency of its loads,
+// so the kernel is written to wait on as few dependent round trips as
+// possible: the row's adapter and expert id (one trip), its pair (a second),
+// then everything else at once:
+//   - the thread's first 4 output columns (8 bytes of base_out) and their B
+//     rows (the rank is a template argument, so every load is unrolled);
+//   - shrink: thread t owns the 8-wide K pieces 8t, 8t + 2048, ...; all the
+//     ranks of a pass (16) are loaded together with the x piece (16-byte
+//     loads), summed in k order per thread, then a fixed butterfly per warp
+//     and the 8 warp sums in warp order; xa is rounded into shared memory;
+//   - expand: delta = round(xa . B[n]) in rank order, out = round(out +
+//     scale * delta), one 8-byte store; further column rounds (N > 1024)
+//     load their operands one trip at a time.
 
 #include "fast/fast_common.cuh"
 
@@ -18,6 +23,10 @@ namespace fast {
 namespace {
 
 constexpr int kRowThreads = 256;
+constexpr int kRowWarps = kRowThreads / 32;
+constexpr int kRowCols = 4;   // adjacent output columns per thread and round
+constexpr int kRowRounds = 2; // column rounds per CTA before the columns are split over CTAs
+constexpr int kRowMaxRank = 64;
 
 template <DType D>
 __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
@@ -30,73 +39,166 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
   return acc;
 }
 
-template <DType D>
-__device__ __forceinline__ float dot8_f(uint4 b, const float* xa, float acc) {
-  const uint32_t bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    acc = fmaf(xa[2 * i], h2f<D>(uint16_t(bv[i] & 0xffffu)), acc);
-    acc = fmaf(xa[2 * i + 1], h2f<D>(uint16_t(bv[i] >> 16)), acc);
-  }
-  return acc;
-}
+// The operands of one round of a thread's output columns [col, col + 4).
+template <int RB>
+struct ExpandOps {
+  uint4 b[kRowCols][RB];  // B rows, 8 ranks per uint4
+  uint16_t o[kRowCols];   // base_out
 
-template <DType D>
-__global__ void __launch_bounds__(kRowThreads)
-    gather_rows_kernel(const GatherArgs a, int64_t chunk_w) {
-  __shared__ float s_xa[kMaxRank];
+  __device__ __forceinline__ void load(const uint16_t* B, const uint16_t* orow, int64_t col,
+                                       int64_t c1, bool nvec) {
+#pragma unroll
+    for (int c = 0; c < kRowCols; ++c) {
+      o[c] = 0;
+#pragma unroll
+      for (int r = 0; r < RB; ++r)
+        b[c][r] = col + c < c1 ? __ldg(reinterpret_cast<const uint4*>(B + (col + c) * (8 * RB)) + r)
+                               : make_uint4(0u, 0u, 0u, 0u);
+    }
+    if (nvec && col + kRowCols <= c1) {
+      const uint2 v = *reinterpret_cast<const uint2*>(orow + col);
+      memcpy(o, &v, 8);
+    } else {
+#pragma unroll
+      for (int c = 0; c < kRowCols; ++c)
+        if (col + c < c1) o[c] = orow[col + c];
+    }
+  }
+};
+
+template <DType D, int RB>
+__global__ void __launch_bounds__(kRowThreads) gather_rows_kernel(const GatherArgs a,
+                                                                  int64_t chunk_w, bool nvec) {
+  constexpr int R = 8 * RB;
+  constexpr int RP = R % 16 == 0 ? 16 : 8;  // ranks per shrink pass
+  __shared__ float s_part[kRowWarps][R];
+  __shared__ float s_xa[R];
   const int64_t row = blockIdx.x;
   int l, e;
   if (!gather_row_cell(a, row, &l, &e)) return;  // uniform over the CTA
   Pair pair;
   if (!resolve_pair(a.route, l, e, &pair)) return;
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  const int R = int(a.R);
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int64_t K = a.K, N = a.N;
+  uint16_t* orow = static_cast<uint16_t*>(a.out) + row * N;
+  const uint16_t* B = static_cast<const uint16_t*>(a.b_pool) + int64_t(pair.b) * N * R;
+  const int64_t c1 = min(N, int64_t(blockIdx.y + 1) * chunk_w);
+  int64_t col = int64_t(blockIdx.y) * chunk_w + int64_t(tid) * kRowCols;
+  ExpandOps<RB> ops;
+  if (col < c1) ops.load(B, orow, col, c1, nvec);
+
   const uint16_t* x =
-      static_cast<const uint16_t*>(a.x) + (a.x_gather ? row / a.top_k : row) * a.K;
-  const uint16_t* A = static_cast<const uint16_t*>(a.a_pool) + int64_t(pair.a) * R * a.K;
-  for (int j = w; j < R; j += kRowThreads / 32) {
-    const uint16_t* arow = A + int64_t(j) * a.K;
-    float acc = 0.f;
-#pragma unroll 4
-    for (int64_t k = int64_t(lane) * 8; k < a.K; k += 32 * 8)
-      acc = dot8<D>(__ldg(reinterpret_cast<const uint4*>(arow + k)),
-                    __ldg(reinterpret_cast<const uint4*>(x + k)), acc);
+      static_cast<const uint16_t*>(a.x) + (a.x_gather ? row / a.top_k : row) * K;
+  const uint16_t* A = static_cast<const uint16_t*>(a.a_pool) + int64_t(pair.a) * R * K;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) s_xa[j] = h2f<D>(f2h<D>(acc));
+  for (int p0 = 0; p0 < R; p0 += RP) {
+    float acc[RP];
+#pragma unroll
+    for (int j = 0; j < RP; ++j) acc[j] = 0.f;
+    for (int64_t k = int64_t(tid) * 8; k < K; k += kRowThreads * 8) {
+      uint4 av[RP];
+#pragma unroll
+      for (int j = 0; j < RP; ++j)
+        av[j] = __ldg(reinterpret_cast<const uint4*>(A + int64_t(p0 + j) * K + k));
+      const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + k));
+#pragma unroll
+      for (int j = 0; j < RP; ++j) acc[j] = dot8<D>(av[j], xv, acc[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < RP; ++j) {
+#pragma unroll
+      for (int s = 16; s > 0; s >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], s);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int j = 0; j < RP; ++j) s_part[w][p0 + j] = acc[j];
+    }
   }
   __syncthreads();
-  const uint16_t* B = static_cast<const uint16_t*>(a.b_pool) + int64_t(pair.b) * a.N * R;
-  uint16_t* orow = static_cast<uint16_t*>(a.out) + row * a.N;
-  const int64_t c0 = int64_t(blockIdx.y) * chunk_w, c1 = min(a.N, c0 + chunk_w);
-  for (int64_t n = c0 + threadIdx.x; n < c1; n += kRowThreads) {
-    const uint16_t* brow = B + n * R;
-    float acc = 0.f;
-    for (int j = 0; j < R; j += 8)  // R % 8 == 0: 16-byte B rows
-      acc = dot8_f<D>(__ldg(reinterpret_cast<const uint4*>(brow + j)), s_xa + j, acc);
-    const float delta = h2f<D>(f2h<D>(acc));
-    orow[n] = f2h<D>(fold_add(h2f<D>(orow[n]), pair.scale, delta));
+  if (tid < R) {
+    float v = s_part[0][tid];
+#pragma unroll
+    for (int ww = 1; ww < kRowWarps; ++ww) v += s_part[ww][tid];
+    s_xa[tid] = h2f<D>(f2h<D>(v));
+  }
+  __syncthreads();
+  float xa[R];
+#pragma unroll
+  for (int j = 0; j < R; ++j) xa[j] = s_xa[j];
+
+  while (col < c1) {
+#pragma unroll
+    for (int c = 0; c < kRowCols; ++c) {
+      float acc = 0.f;
+#pragma unroll
+      for (int r = 0; r < RB; ++r) {
+        const uint32_t bw[4] = {ops.b[c][r].x, ops.b[c][r].y, ops.b[c][r].z, ops.b[c][r].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          acc = fmaf(xa[8 * r + 2 * i], h2f<D>(uint16_t(bw[i] & 0xffffu)), acc);
+          acc = fmaf(xa[8 * r + 2 * i + 1], h2f<D>(uint16_t(bw[i] >> 16)), acc);
+        }
+      }
+      const float delta = h2f<D>(f2h<D>(acc));
+      ops.o[c] = f2h<D>(fold_add(h2f<D>(ops.o[c]), pair.scale, delta));
+    }
+    if (nvec && col + kRowCols <= c1) {
+      uint2 v;
+      memcpy(&v, ops.o, 8);
+      *reinterpret_cast<uint2*>(orow + col) = v;
+    } else {
+#pragma unroll
+      for (int c = 0; c < kRowCols; ++c)
+        if (col + c < c1) orow[col + c] = ops.o[c];
+    }
+    col += int64_t(kRowThreads) * kRowCols;
+    if (col < c1) ops.load(B, orow, col, c1, nvec);
+  }
+}
+
+template <DType D, int RB>
+cudaError_t rows_rb(const GatherArgs& a, dim3 grid, int64_t chunk_w, bool nvec,
+                    cudaStream_t stream) {
+  gather_rows_kernel<D, RB><<<grid, kRowThreads, 0, stream>>>(a, chunk_w, nvec);
+  return cudaPeekAtLastError();
+}
+
+template <DType D>
+cudaError_t rows_dtype(const GatherArgs& a, dim3 grid, int64_t chunk_w, bool nvec,
+                       cudaStream_t stream) {
+  switch (a.R / 8) {
+    case 1: return rows_rb<D, 1>(a, grid, chunk_w, nvec, stream);
+    case 2: return rows_rb<D, 2>(a, grid, chunk_w, nvec, stream);
+    case 3: return rows_rb<D, 3>(a, grid, chunk_w, nvec, stream);
+    case 4: return rows_rb<D, 4>(a, grid, chunk_w, nvec, stream);
+    case 5: return rows_rb<D, 5>(a, grid, chunk_w, nvec, stream);
+    case 6: return rows_rb<D, 6>(a, grid, chunk_w, nvec, stream);
+    case 7: return rows_rb<D, 7>(a, grid, chunk_w, nvec, stream);
+    case 8: return rows_rb<D, 8>(a, grid, chunk_w, nvec, stream);
+    default: return cudaErrorInvalidValue;
   }
 }
 
 }  // namespace
 
+bool gather_rows_fits(const GatherArgs& a) {
+  return a.R % 8 == 0 && a.R <= kRowMaxRank && a.K % 8 == 0 && aligned16(a.x) &&
+         aligned16(a.a_pool) && aligned16(a.b_pool);
+}
+
 cudaError_t launch_gather_rows(const GatherArgs& a, cudaStream_t stream) {
-  // Enough CTAs for every SM: split the columns of few rows into chunks of
-  // whole kRowThreads multiples (each chunk recomputes xa from L2).
-  const int64_t max_chunks = std::max<int64_t>(1, (a.N + kRowThreads - 1) / kRowThreads);
+  // Enough CTAs for every SM (few rows split their columns into chunks; each
+  // chunk repeats the shrink, from L2) and at most kRowRounds column rounds.
+  const int64_t quads = (a.N + kRowCols - 1) / kRowCols;
   const int64_t want = std::max<int64_t>(1, (sm_count() + a.n_slots - 1) / a.n_slots);
-  const int64_t chunks0 = std::min<int64_t>(std::min<int64_t>(want, max_chunks), 65535);
-  int64_t chunk_w = (a.N + chunks0 - 1) / chunks0;
-  chunk_w = (chunk_w + kRowThreads - 1) / kRowThreads * kRowThreads;
+  const int64_t least = (quads + kRowThreads * kRowRounds - 1) / (kRowThreads * kRowRounds);
+  const int64_t chunks0 = std::min<int64_t>({std::max(want, least), quads, 65535});
+  const int64_t chunk_w = (quads + chunks0 - 1) / chunks0 * kRowCols;
   const int64_t chunks = (a.N + chunk_w - 1) / chunk_w;
+  const bool nvec = a.N % kRowCols == 0 && aligned8(a.out);
   const dim3 grid(unsigned(a.n_slots), unsigned(chunks), 1);
-  if (a.dtype == DType::kBf16)
-    gather_rows_kernel<DType::kBf16><<<grid, kRowThreads, 0, stream>>>(a, chunk_w);
-  else
-    gather_rows_kernel<DType::kF16><<<grid, kRowThreads, 0, stream>>>(a, chunk_w);
-  return cudaPeekAtLastError();
+  return a.dtype == DType::kBf16 ? rows_dtype<DType::kBf16>(a, grid, chunk_w, nvec, stream)
+                                 : rows_dtype<DType::kF16>(a, grid, chunk_w, nvec, stream);
 }
 
 }  // namespace fast

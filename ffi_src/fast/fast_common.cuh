@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 
 #include "cuda_common.cuh"
@@ -106,6 +107,7 @@ struct GroupedParams {
 // ------------------------------------------------------------- host --------
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+inline bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
 inline bool aligned4(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 3u) == 0; }
 
 inline int sm_count() {
@@ -165,6 +167,7 @@ inline cudaError_t launch(void (*kernel)(Params), const Params& prm, int64_t n_c
 // Launchers of the kernel files (dtype already checked by the dispatchers).
 cudaError_t launch_gather_f32(const GatherArgs& a, cudaStream_t stream);
 cudaError_t launch_gather_rows(const GatherArgs& a, cudaStream_t stream);
+bool gather_rows_fits(const GatherArgs& a);  // shapes launch_gather_rows takes
 cudaError_t launch_grouped_f32(const GroupedArgs& a, cudaStream_t stream);
 cudaError_t launch_grouped_pairs(const GroupedArgs& a, cudaStream_t stream);
 

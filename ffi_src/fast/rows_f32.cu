@@ -2,17 +2,17 @@
 // CUDA cores, no TF32 (fp32 results are held to the fp32 tolerance).
 //
 // The router's LoRA is the typical fp32 fold: a short batch of rows, K =
-// hidden, a few ranks, N = num_experts. A row's bytes (its x row, the A block
-// [R, K], the B block [N, R], its output columns) are few, so the kernel
-// puts them all in flight at once:
-//   1. shrink: the 256 threads split K in 4-wide pieces (16-byte loads); each
-//      thread keeps kRankPass partial sums, one per rank of the pass, in k
-//      order; a fixed butterfly per warp, then the 8 warp sums in warp order
-//      give xa (shared memory);
-//   2. expand: thread t folds columns c0 + t, c0 + t + 256, ...:
-//      delta = xa . B[n] in rank order, out = out + scale * delta.
+// hidden, a few ranks, N = num_experts. The kernel waits on few dependent
+// round trips: the row's routing (one or two), then everything else at once:
+//   - thread t's first output column and its B row (the rank is a template
+//     argument for ranks up to kF32MaxRank, so every load is unrolled);
+//   - shrink: the 256 threads split K in 4-wide pieces (16-byte loads); each
+//     thread keeps kRankPass partial sums, one per rank of the pass, in k
+//     order; a fixed butterfly per warp, then the 8 warp sums in warp order
+//     give xa (shared memory);
+//   - expand: delta = xa . B[n] in rank order, out = out + scale * delta.
 // The same device function serves both folds, so a row gets the same bits
-// from either.
+// from either. Larger ranks and unaligned shapes take a loop over the ranks.
 
 #include "fast/fast_common.cuh"
 
@@ -23,6 +23,7 @@ namespace {
 constexpr int kF32Threads = 256;
 constexpr int kF32Warps = kF32Threads / 32;
 constexpr int kRankPass = 8;        // ranks per shrink pass (partial sums per thread)
+constexpr int kF32MaxRank = 64;     // ranks with unrolled loads (RB = R / 8 template)
 constexpr int64_t kF32Cols = 1024;  // output columns per CTA
 
 __device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
@@ -33,26 +34,40 @@ __device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
 }
 
 // Fold one row: x [K], A [R, K], B [N, R] of its pair, output row orow,
-// columns [c0, c1). vec: 16-byte loads (see f32_vec).
+// columns [c0, c1). RB > 0: R == 8 * RB and 16-byte loads (K % 4 == 0,
+// aligned arrays); RB == 0: any R, element loads.
+template <int RB>
 __device__ void f32_fold_row(const float* __restrict__ x, const float* __restrict__ A,
-                             const float* __restrict__ B, float scale, int64_t K, int R, int64_t N,
-                             float* orow, int64_t c0, int64_t c1, bool vec) {
+                             const float* __restrict__ B, float scale, int64_t K, int R_, int64_t N,
+                             float* orow, int64_t c0, int64_t c1) {
+  constexpr bool kVec = RB > 0;
+  const int R = kVec ? 8 * RB : R_;
   __shared__ float s_part[kF32Warps][kRankPass];
   __shared__ float s_xa[kMaxRank];
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  // the first column's operands, requested before the shrink
+  int64_t n = c0 + tid;
+  float4 bv[kVec ? 2 * RB : 1];
+  float ov = 0.f;
+  if (kVec && n < c1) {
+#pragma unroll
+    for (int i = 0; i < 2 * RB; ++i) bv[i] = __ldg(reinterpret_cast<const float4*>(B + n * R) + i);
+    ov = orow[n];
+  }
   for (int p0 = 0; p0 < R; p0 += kRankPass) {
     float acc[kRankPass];
 #pragma unroll
     for (int j = 0; j < kRankPass; ++j) acc[j] = 0.f;
-    if (vec) {
+    if (kVec) {
 #pragma unroll 2
       for (int64_t k = int64_t(tid) * 4; k < K; k += kF32Threads * 4) {
-        const float4 xv = __ldg(reinterpret_cast<const float4*>(x + k));
+        float4 av[kRankPass];
 #pragma unroll
         for (int j = 0; j < kRankPass; ++j)
-          if (p0 + j < R)
-            acc[j] = dot4(__ldg(reinterpret_cast<const float4*>(A + int64_t(p0 + j) * K + k)), xv,
-                          acc[j]);
+          av[j] = __ldg(reinterpret_cast<const float4*>(A + int64_t(p0 + j) * K + k));
+        const float4 xv = __ldg(reinterpret_cast<const float4*>(x + k));
+#pragma unroll
+        for (int j = 0; j < kRankPass; ++j) acc[j] = dot4(av[j], xv, acc[j]);
       }
     } else {
       for (int64_t k = tid; k < K; k += kF32Threads) {
@@ -80,21 +95,30 @@ __device__ void f32_fold_row(const float* __restrict__ x, const float* __restric
     }
     __syncthreads();
   }
-  for (int64_t n = c0 + tid; n < c1; n += kF32Threads) {
-    const float* brow = B + n * R;
+  for (; n < c1; n += kF32Threads) {
     float acc = 0.f;
-    if (vec && R % 4 == 0) {
-      for (int j = 0; j < R; j += 4)
-        acc = dot4(__ldg(reinterpret_cast<const float4*>(brow + j)),
-                   make_float4(s_xa[j], s_xa[j + 1], s_xa[j + 2], s_xa[j + 3]), acc);
+    if (kVec) {
+#pragma unroll
+      for (int i = 0; i < 2 * RB; ++i)
+        acc = dot4(bv[i], make_float4(s_xa[4 * i], s_xa[4 * i + 1], s_xa[4 * i + 2],
+                                      s_xa[4 * i + 3]), acc);
+      orow[n] = fold_add(ov, scale, acc);
+      if (n + kF32Threads < c1) {
+        const int64_t m = n + kF32Threads;
+#pragma unroll
+        for (int i = 0; i < 2 * RB; ++i)
+          bv[i] = __ldg(reinterpret_cast<const float4*>(B + m * R) + i);
+        ov = orow[m];
+      }
     } else {
-      for (int j = 0; j < R; ++j) acc = fmaf(__ldg(brow + j), s_xa[j], acc);
+      for (int j = 0; j < R; ++j) acc = fmaf(__ldg(B + n * R + j), s_xa[j], acc);
+      orow[n] = fold_add(orow[n], scale, acc);
     }
-    orow[n] = fold_add(orow[n], scale, acc);
   }
 }
 
-__global__ void __launch_bounds__(kF32Threads) gather_f32_kernel(const GatherArgs a, bool vec) {
+template <int RB>
+__global__ void __launch_bounds__(kF32Threads) gather_f32_kernel(const GatherArgs a) {
   const int64_t row = blockIdx.x;
   int l, e;
   if (!gather_row_cell(a, row, &l, &e)) return;
@@ -102,14 +126,16 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_kernel(const GatherArg
   if (!resolve_pair(a.route, l, e, &pair)) return;
   const int64_t c0 = int64_t(blockIdx.y) * kF32Cols, c1 = min(a.N, c0 + kF32Cols);
   const int64_t xrow = a.x_gather ? row / a.top_k : row;
-  f32_fold_row(static_cast<const float*>(a.x) + xrow * a.K,
-               static_cast<const float*>(a.a_pool) + int64_t(pair.a) * a.R * a.K,
-               static_cast<const float*>(a.b_pool) + int64_t(pair.b) * a.N * a.R, pair.scale,
-               a.K, int(a.R), a.N, static_cast<float*>(a.out) + row * a.N, c0, c1, vec);
+  f32_fold_row<RB>(static_cast<const float*>(a.x) + xrow * a.K,
+                   static_cast<const float*>(a.a_pool) + int64_t(pair.a) * a.R * a.K,
+                   static_cast<const float*>(a.b_pool) + int64_t(pair.b) * a.N * a.R,
+                   pair.scale, a.K, int(a.R), a.N, static_cast<float*>(a.out) + row * a.N, c0,
+                   c1);
 }
 
-__global__ void __launch_bounds__(kF32Threads)
-    grouped_f32_kernel(const GroupedArgs a, int64_t lo, bool vec) {
+template <int RB>
+__global__ void __launch_bounds__(kF32Threads) grouped_f32_kernel(const GroupedArgs a,
+                                                                  int64_t lo) {
   const int64_t r = lo + blockIdx.x;
   const int64_t e = find_expert(a.expert_offsets, a.num_experts, r);
   if (e < 0) return;
@@ -121,23 +147,42 @@ __global__ void __launch_bounds__(kF32Threads)
   if (!resolve_pair(a.route, ad, e, &pair)) return;
   const int64_t c0 = int64_t(blockIdx.y) * kF32Cols, c1 = min(a.N, c0 + kF32Cols);
   const int64_t xrow = a.x_gather ? tok : r;
-  f32_fold_row(static_cast<const float*>(a.x) + xrow * a.K,
-               static_cast<const float*>(a.a_pool) + int64_t(pair.a) * a.R * a.K,
-               static_cast<const float*>(a.b_pool) + int64_t(pair.b) * a.N * a.R, pair.scale,
-               a.K, int(a.R), a.N, static_cast<float*>(a.out) + r * a.N, c0, c1, vec);
+  f32_fold_row<RB>(static_cast<const float*>(a.x) + xrow * a.K,
+                   static_cast<const float*>(a.a_pool) + int64_t(pair.a) * a.R * a.K,
+                   static_cast<const float*>(a.b_pool) + int64_t(pair.b) * a.N * a.R,
+                   pair.scale, a.K, int(a.R), a.N, static_cast<float*>(a.out) + r * a.N, c0, c1);
 }
 
-// 16-byte loads of x, A and B rows: K % 4 == 0 and 16-byte aligned arrays.
-bool f32_vec(const void* x, const void* a_pool, const void* b_pool, int64_t K) {
-  return K % 4 == 0 && aligned16(x) && aligned16(a_pool) && aligned16(b_pool);
+// The rank template argument for these arrays: R / 8 when 16-byte loads of
+// x, A and B rows are possible and R <= kF32MaxRank, else 0 (element loads).
+int f32_rank_blocks(const void* x, const void* a_pool, const void* b_pool, int64_t K, int64_t R) {
+  const bool vec = K % 4 == 0 && aligned16(x) && aligned16(a_pool) && aligned16(b_pool);
+  return vec && R % 8 == 0 && R <= kF32MaxRank ? int(R / 8) : 0;
+}
+
+template <class Launch>
+cudaError_t by_rank(int rb, Launch launch) {
+  switch (rb) {
+    case 1: return launch(std::integral_constant<int, 1>());
+    case 2: return launch(std::integral_constant<int, 2>());
+    case 3: return launch(std::integral_constant<int, 3>());
+    case 4: return launch(std::integral_constant<int, 4>());
+    case 5: return launch(std::integral_constant<int, 5>());
+    case 6: return launch(std::integral_constant<int, 6>());
+    case 7: return launch(std::integral_constant<int, 7>());
+    case 8: return launch(std::integral_constant<int, 8>());
+    default: return launch(std::integral_constant<int, 0>());
+  }
 }
 
 }  // namespace
 
 cudaError_t launch_gather_f32(const GatherArgs& a, cudaStream_t stream) {
   const dim3 grid(unsigned(a.n_slots), unsigned((a.N + kF32Cols - 1) / kF32Cols), 1);
-  gather_f32_kernel<<<grid, kF32Threads, 0, stream>>>(a, f32_vec(a.x, a.a_pool, a.b_pool, a.K));
-  return cudaPeekAtLastError();
+  return by_rank(f32_rank_blocks(a.x, a.a_pool, a.b_pool, a.K, a.R), [&](auto rb) {
+    gather_f32_kernel<decltype(rb)::value><<<grid, kF32Threads, 0, stream>>>(a);
+    return cudaPeekAtLastError();
+  });
 }
 
 cudaError_t launch_grouped_f32(const GroupedArgs& a, cudaStream_t stream) {
@@ -145,8 +190,10 @@ cudaError_t launch_grouped_f32(const GroupedArgs& a, cudaStream_t stream) {
   const int64_t hi = std::min<int64_t>(a.row_end, a.te);
   if (hi <= lo) return cudaSuccess;
   const dim3 grid(unsigned(hi - lo), unsigned((a.N + kF32Cols - 1) / kF32Cols), 1);
-  grouped_f32_kernel<<<grid, kF32Threads, 0, stream>>>(a, lo, f32_vec(a.x, a.a_pool, a.b_pool, a.K));
-  return cudaPeekAtLastError();
+  return by_rank(f32_rank_blocks(a.x, a.a_pool, a.b_pool, a.K, a.R), [&](auto rb) {
+    grouped_f32_kernel<decltype(rb)::value><<<grid, kF32Threads, 0, stream>>>(a, lo);
+    return cudaPeekAtLastError();
+  });
 }
 
 }  // namespace fast
