@@ -1,0 +1,191 @@
+"""Adapters written by real peft load into the deltas torch applies.
+
+Each folder of ``tests/fixtures/peft/`` (made by ``scripts/make_peft_fixtures.py``; its
+``fixture.json`` names the torch/transformers/peft versions) holds a peft adapter, the dense delta
+peft adds to every adapted parameter (``delta.<parameter>``, in the parameter's own layout), the
+MoE block's base tensors (``base.<parameter>``) and the block's output on fixed hidden states
+with and without the adapter. Reading needs only numpy and safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from jax_moelora.peft import AdapterFormatError, load_peft_adapter
+
+ROOT = Path(__file__).parent / "fixtures" / "peft"
+FIXTURES = sorted(p.name for p in ROOT.iterdir() if (p / "fixture.json").is_file())
+
+
+def fixture(name):
+    meta = json.loads((ROOT / name / "fixture.json").read_text())
+    ref = load_file(str(ROOT / name / "reference.safetensors"))
+    return meta, ref
+
+
+def widths(meta):
+    m = meta["model"]
+    return dict(num_experts=m["num_experts"], hidden_size=m["hidden_size"],
+                intermediate_size=m["intermediate_size"])
+
+
+def split(meta):
+    return "interleaved" if meta["family"] == "gpt_oss" else "halves"
+
+
+def torch_deltas(meta, ref):
+    """``{(where, layer, projection, expert): delta [out, in]}`` from the stored torch deltas.
+
+    ``where`` is ``"routed"`` or ``"shared"``. Fused parameters: ``[E, 2I, H]`` / ``[E, H, I]``
+    (``[E, out, in]``) except gpt-oss's ``[E, H, 2I]`` / ``[E, I, H]`` (``[E, in, out]``, gate and
+    up interleaved)."""
+    out = {}
+    I = meta["model"]["intermediate_size"]
+    for key, d in ref.items():
+        if not key.startswith("delta."):
+            continue
+        m = re.match(r"delta\.model\.layers\.(\d+)\.\w+\.(.+)$", key)
+        layer, rest = int(m[1]), m[2]
+        d = d.astype(np.float64)
+        if rest in ("gate.weight", "router.weight"):
+            out["routed", layer, "router", 0] = d
+        elif rest in ("experts.gate_up_proj", "experts.down_proj"):
+            for e in range(d.shape[0]):
+                lin = d[e].T if meta["family"] == "gpt_oss" else d[e]
+                if rest.endswith("down_proj"):
+                    out["routed", layer, "down", e] = lin
+                elif meta["family"] == "gpt_oss":
+                    out["routed", layer, "gate", e] = lin[0::2]
+                    out["routed", layer, "up", e] = lin[1::2]
+                else:
+                    out["routed", layer, "gate", e] = lin[:I]
+                    out["routed", layer, "up", e] = lin[I:]
+        elif m2 := re.match(r"experts\.(\d+)\.(\w+)\.weight$", rest):
+            proj = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                    "down_proj": "down", "w2": "down"}[m2[2]]
+            out["routed", layer, proj, int(m2[1])] = d
+        elif m2 := re.match(r"shared_experts\.(\w+)_proj\.weight$", rest):
+            out["shared", layer, m2[1], 0] = d
+        else:
+            raise AssertionError(f"unexpected delta {key}")
+    return out
+
+
+def loaded_deltas(adapter):
+    out = {}
+    for where, layers in (("routed", adapter.layers), ("shared", adapter.shared_experts)):
+        for layer, projs in layers.items():
+            for proj, lora in projs.items():
+                for e in np.flatnonzero(lora.present):
+                    out[where, layer, proj, int(e)] = lora.delta(int(e))
+    return out
+
+
+def assert_same_deltas(adapter, meta, ref):
+    want, got = torch_deltas(meta, ref), loaded_deltas(adapter)
+    assert sorted(got) == sorted(want)
+    for k, d in want.items():
+        assert got[k].shape == d.shape, k
+        np.testing.assert_allclose(got[k], d, rtol=1e-5, atol=1e-6 * np.abs(d).max(), err_msg=str(k))
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_fixture_loads_into_the_torch_deltas(name):
+    """With the model's widths every fixture loads, and scale * B @ A is peft's delta."""
+    meta, ref = fixture(name)
+    ad = load_peft_adapter(ROOT / name / "adapter", gate_up_split=split(meta), **widths(meta))
+    assert_same_deltas(ad, meta, ref)
+    assert all(lora.max_rank % 8 == 0 for lay in ad.layers.values() for lora in lay.values())
+
+
+@pytest.mark.parametrize("name", [n for n in FIXTURES if n != "qwen3_peft018_gate_up_only"])
+def test_fixture_loads_without_model_widths(name):
+    """The shapes decide nesting and factor order whenever the file holds enough of them."""
+    meta, ref = fixture(name)
+    assert_same_deltas(load_peft_adapter(ROOT / name / "adapter", gate_up_split=split(meta)),
+                       meta, ref)
+
+
+def test_one_old_fused_parameter_needs_the_widths():
+    """peft 0.18 on [E, out, in]: one gate_up_proj pair fits both factor orders."""
+    meta, ref = fixture("qwen3_peft018_gate_up_only")
+    path = ROOT / "qwen3_peft018_gate_up_only" / "adapter"
+    with pytest.raises(AdapterFormatError, match=r"ambiguous target_parameters keys .*pass "
+                                                 r"hidden_size= and intermediate_size="):
+        load_peft_adapter(path)
+    assert_same_deltas(load_peft_adapter(path, lora_a_reads="output"), meta, ref)
+    with pytest.raises(AdapterFormatError, match=r"shape mismatch: .*fit no reading"):
+        load_peft_adapter(path, lora_a_reads="input", hidden_size=24, intermediate_size=8)
+
+
+def test_recipe_configs_differ_only_in_order():
+    """The rewritten recipe's target_parameters order follows the hash seed; the files read the
+    same way (gate_up_proj is always the inner wrapper)."""
+    cfgs = [json.loads((ROOT / n / "adapter" / "adapter_config.json").read_text())
+            for n in ("qwen3_recipe_seed0", "qwen3_recipe_seed1")]
+    assert cfgs[0]["target_parameters"] != cfgs[1]["target_parameters"]
+    assert sorted(cfgs[0]["target_parameters"]) == sorted(cfgs[1]["target_parameters"])
+    assert cfgs[0]["rank_pattern"] == {r".*\.gate_up_proj": 2 * cfgs[0]["r"]}
+
+
+def test_converted_adapter_keeps_block_diagonal_b():
+    """peft 0.21 fuses a transformers-4 adapter's gate and up: rank 2r, lora_B block-diagonal;
+    the old peft_version stays in the config, so it cannot decide the factor order."""
+    meta, ref = fixture("qwen3_v4_converted")
+    path = ROOT / "qwen3_v4_converted" / "adapter"
+    assert json.loads((path / "adapter_config.json").read_text())["peft_version"].startswith("0.18")
+    ad = load_peft_adapter(path)
+    gate, up = ad.layers[0]["gate"], ad.layers[0]["up"]
+    r = 2
+    assert (gate.ranks == 2 * r).all()
+    assert not gate.b[:, :, r:2 * r].any() and not up.b[:, :, :r].any()
+
+
+# --------------------------------------------------------------------------
+# the MoE block outputs
+# --------------------------------------------------------------------------
+
+BLOCK_FAMILIES = ("qwen3_moe", "mixtral")
+
+
+def _block_fixtures():
+    out = []
+    for n in FIXTURES:
+        meta, _ = fixture(n)
+        if meta["family"] in BLOCK_FAMILIES and meta["made_with"]["transformers"].startswith("5"):
+            out.append(n)
+    return out
+
+
+@pytest.mark.parametrize("name", _block_fixtures())
+def test_moe_block_matches_torch(name):
+    """jax_moelora.nnx.MoEBlock with the fixture's base weights and adapter reproduces the
+    transformers 5 block (Qwen3-MoE, Mixtral) with and without the adapter."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_moelora.nnx import AdapterPool, MoEBlock
+
+    meta, ref = fixture(name)
+    m = meta["model"]
+    H, I, E, k = m["hidden_size"], m["intermediate_size"], m["num_experts"], m["top_k"]
+    pre = "base.model.layers.0.mlp."
+    block = MoEBlock(H, I, E, k, norm_topk_prob=bool(m.get("norm_topk_prob", True)), max_loras=2,
+                     max_rank=16, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    gate_up, down = ref[pre + "experts.gate_up_proj"], ref[pre + "experts.down_proj"]
+    block.router.kernel[...] = jnp.asarray(ref[pre + "gate.weight"].T)
+    block.gate_proj[...] = jnp.asarray(np.transpose(gate_up[:, :I], (0, 2, 1)))
+    block.up_proj[...] = jnp.asarray(np.transpose(gate_up[:, I:], (0, 2, 1)))
+    block.down_proj[...] = jnp.asarray(np.transpose(down, (0, 2, 1)))
+    AdapterPool([block]).load(ROOT / name / "adapter", name="a")
+    x = jnp.asarray(ref["x"])
+    T = x.shape[0]
+    for ids, want in ((-1, ref["out_base"]), (0, ref["out_lora"])):
+        got = np.asarray(block(x, jnp.full((T,), ids, jnp.int32), impl="jnp"))
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
