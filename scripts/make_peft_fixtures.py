@@ -21,6 +21,7 @@ and skips the rest. Run with each environment, e.g.::
 
     /work/venv-torch/bin/python scripts/make_peft_fixtures.py           # peft 0.21, transformers 5
     /work/venv-peft018t5/bin/python scripts/make_peft_fixtures.py       # peft 0.18, transformers 5
+    /work/venv-peft0190t5/bin/python scripts/make_peft_fixtures.py      # peft 0.19.0, transformers 5
     /work/venv-peft018/bin/python scripts/make_peft_fixtures.py         # peft 0.18, transformers 4
 
 Every fixture is made in its own subprocess with its ``PYTHONHASHSEED`` (peft keeps the rewritten
@@ -51,7 +52,7 @@ class Fixture:
 
     name: str
     family: str  # qwen3_moe | mixtral | gpt_oss | deepseek_v2 | deepseek_v3
-    peft: str  # "0.21" | "0.18"
+    peft: str  # the release line: "0.21" | "0.19" (0.19.0) | "0.18"
     transformers: int  # major version: 4 (per-expert nn.Linear experts) or 5 (fused experts)
     lora: dict[str, Any]
     hashseed: int = 0
@@ -120,6 +121,14 @@ FIXTURES = [
             dict(r=2, lora_alpha=4, target_parameters=["mlp.experts.gate_up_proj",
                                                        "mlp.experts.down_proj"]),
             what="peft 0.18 on gpt-oss ([E, in, out] parameters: the same factors as 0.21)"),
+    # peft 0.19.0 + transformers 5: lora_A reads the output of both kinds of 3-D parameter
+    Fixture("qwen3_peft0190", "qwen3_moe", "0.19", 5,
+            dict(r=2, lora_alpha=4, target_parameters=["experts.gate_up_proj", "experts.down_proj"]),
+            what="peft 0.19.0 on [E, out, in] parameters (the same factors as 0.18)"),
+    Fixture("gpt_oss_peft0190", "gpt_oss", "0.19", 5,
+            dict(r=2, lora_alpha=4, target_parameters=["mlp.experts.gate_up_proj",
+                                                       "mlp.experts.down_proj"]),
+            what="peft 0.19.0 on gpt-oss ([E, in, out] parameters: lora_A reads the output)"),
     # peft 0.18 + transformers 4: per-expert nn.Linear experts
     Fixture("qwen3_v4_experts", "qwen3_moe", "0.18", 4,
             dict(r=2, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj", "gate"]),
