@@ -73,8 +73,8 @@ def write(out: Path) -> None:
             gate_up, down = np.transpose(gu, (0, 2, 1)), np.transpose(d["down"], (0, 2, 1))
         else:
             gate_up, down = np.concatenate([d["gate"], d["up"]], axis=1), d["down"]
-        expected = {f"{pre}.{router}.weight": d["router"][0], f"{pre}.experts.gate_up_proj": gate_up,
-                    f"{pre}.experts.down_proj": down}
+        expected = {f"{pre}.{router}.weight": d["router"][0],
+                    f"{pre}.experts.gate_up_proj": gate_up, f"{pre}.experts.down_proj": down}
         save_file({k: np.ascontiguousarray(v, np.float32) for k, v in expected.items()},
                   str(out / name / "expected.safetensors"))
         (out / name / "case.json").write_text(json.dumps({"family": family, "kwargs": kw}))

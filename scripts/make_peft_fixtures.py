@@ -21,7 +21,7 @@ and skips the rest. Run with each environment, e.g.::
 
     /work/venv-torch/bin/python scripts/make_peft_fixtures.py           # peft 0.21, transformers 5
     /work/venv-peft018t5/bin/python scripts/make_peft_fixtures.py       # peft 0.18, transformers 5
-    /work/venv-peft0190t5/bin/python scripts/make_peft_fixtures.py      # peft 0.19.0, transformers 5
+    /work/venv-peft0190t5/bin/python scripts/make_peft_fixtures.py      # peft 0.19.0, tf 5.5
     /work/venv-peft018/bin/python scripts/make_peft_fixtures.py         # peft 0.18, transformers 4
 
 Every fixture is made in its own subprocess with its ``PYTHONHASHSEED`` (peft keeps the rewritten
@@ -112,7 +112,8 @@ FIXTURES = [
                  "(0.18 factors) and the router"),
     # peft 0.18 + transformers 5: the factors of [E, out, in] parameters the other way round
     Fixture("qwen3_peft018", "qwen3_moe", "0.18", 5,
-            dict(r=4, lora_alpha=8, target_parameters=["experts.gate_up_proj", "experts.down_proj"]),
+            dict(r=4, lora_alpha=8,
+                 target_parameters=["experts.gate_up_proj", "experts.down_proj"]),
             what="peft 0.18 target_parameters on transformers 5 fused experts"),
     Fixture("qwen3_peft018_gate_up_only", "qwen3_moe", "0.18", 5,
             dict(r=2, lora_alpha=4, target_parameters=["experts.gate_up_proj"]),
@@ -123,7 +124,8 @@ FIXTURES = [
             what="peft 0.18 on gpt-oss ([E, in, out] parameters: the same factors as 0.21)"),
     # peft 0.19.0 + transformers 5: lora_A reads the output of both kinds of 3-D parameter
     Fixture("qwen3_peft0190", "qwen3_moe", "0.19", 5,
-            dict(r=2, lora_alpha=4, target_parameters=["experts.gate_up_proj", "experts.down_proj"]),
+            dict(r=2, lora_alpha=4,
+                 target_parameters=["experts.gate_up_proj", "experts.down_proj"]),
             what="peft 0.19.0 on [E, out, in] parameters (the same factors as 0.18)"),
     Fixture("gpt_oss_peft0190", "gpt_oss", "0.19", 5,
             dict(r=2, lora_alpha=4, target_parameters=["mlp.experts.gate_up_proj",
@@ -132,7 +134,7 @@ FIXTURES = [
     # peft 0.18 + transformers 4: per-expert nn.Linear experts
     Fixture("qwen3_v4_experts", "qwen3_moe", "0.18", 4,
             dict(r=2, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj", "gate"]),
-            what="transformers 4 per-expert experts.{e}.gate_proj/up_proj/down_proj and the router"),
+            what="transformers 4 per-expert experts.{e}.gate_proj/up_proj/down_proj, router"),
     Fixture("mixtral_v4_experts", "mixtral", "0.18", 4,
             dict(r=2, lora_alpha=4, target_modules=["w1", "w3", "w2", "gate"]),
             what="transformers 4 Mixtral block_sparse_moe.experts.{e}.w1/w3/w2 and the router"),
@@ -166,7 +168,8 @@ def model_config(family: str):
         return tf.GptOssConfig(**common, num_key_value_heads=1, head_dim=8,
                                intermediate_size=INTER, num_local_experts=EXPERTS,
                                num_experts_per_tok=TOP_K)
-    deepseek = dict(common, num_key_value_heads=2, intermediate_size=16, moe_intermediate_size=INTER,
+    deepseek = dict(common, num_key_value_heads=2, intermediate_size=16,
+                    moe_intermediate_size=INTER,
                     n_routed_experts=EXPERTS, n_shared_experts=1, num_experts_per_tok=TOP_K,
                     first_k_dense_replace=0, kv_lora_rank=8, qk_rope_head_dim=4,
                     qk_nope_head_dim=4, v_head_dim=8, n_group=2, topk_group=1,
@@ -302,7 +305,8 @@ def make_one(fx: Fixture, out_root: Path) -> None:
     tensors = {"x": x, "out_base": out_base, "out_lora": out_lora}
     tensors |= {f"base.{k}": v for k, v in base_block.items()}
     tensors |= {f"delta.{k}": v for k, v in deltas.items()}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "reference.safetensors"))
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              str(folder / "reference.safetensors"))
     config = model_config(fx.family)
     meta = {
         "name": fx.name,

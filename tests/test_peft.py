@@ -411,11 +411,12 @@ def test_reject_adapter_without_moe_lora(tmp_path):
     """A file with no LoRA pair of an MoE block would serve the base model under its name."""
     empty = write_raw(tmp_path / "empty", {}, {"r": 4, "lora_alpha": 4})
     _raises(empty, r"no LoRA pair: .*adapter_model\.safetensors holds no lora_A/lora_B tensor")
-    attn = write_raw(tmp_path / "attn", {
-        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.ones((4, H), np.float32),
-        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": np.ones((H, 4), np.float32),
-    }, {"r": 4, "lora_alpha": 4})
-    _raises(attn, r"no LoRA pair: .* \(2 key\(s\), e\.g\. \['base_model\.model\.model\.layers\.0\.self_attn")
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    attn = write_raw(tmp_path / "attn", {f"{q}.lora_A.weight": np.ones((4, H), np.float32),
+                                         f"{q}.lora_B.weight": np.ones((H, 4), np.float32)},
+                     {"r": 4, "lora_alpha": 4})
+    _raises(attn, r"no LoRA pair: .* \(2 key\(s\), e\.g\. \['base_model\.model\.model\.layers\.0"
+                  r"\.self_attn")
 
 
 def test_ambiguous_fused_pair_names_what_to_pass(tmp_path):

@@ -92,7 +92,8 @@ def assert_same_deltas(adapter, meta, ref):
     assert sorted(got) == sorted(want)
     for k, d in want.items():
         assert got[k].shape == d.shape, k
-        np.testing.assert_allclose(got[k], d, rtol=1e-5, atol=1e-6 * np.abs(d).max(), err_msg=str(k))
+        np.testing.assert_allclose(got[k], d, rtol=1e-5, atol=1e-6 * np.abs(d).max(),
+                                   err_msg=str(k))
 
 
 @pytest.mark.parametrize("name", FIXTURES)

@@ -1,7 +1,7 @@
 """One reader per PEFT key layout of an MoE layer's LoRA pairs.
 
-Every reader takes the pairs of one module (``_Pair``: the ``lora_A`` and
-``lora_B`` tensors of one key stem, float32) and returns per-expert factors
+Every reader takes the pairs of one module (:class:`Pair`: the ``lora_A``
+and ``lora_B`` tensors of one key stem, float32) and returns per-expert factors
 ``(A [r, K], B [N, r])`` in the usual LoRA sense (``delta = scale * B @ A``
 maps the projection's ``K`` inputs to its ``N`` outputs), with PEFT's scale.
 ``load_peft_adapter`` (``reader.py``) sorts the keys of a file into these
@@ -35,7 +35,9 @@ Factors = tuple[np.ndarray, np.ndarray, float, str]  # A [r, K], B [N, r], scale
 
 
 @dataclasses.dataclass
-class _Pair:
+class Pair:
+    """The ``lora_A`` / ``lora_B`` tensors (float32) of one key stem, with their keys."""
+
     key_a: str | None = None
     key_b: str | None = None
     a: np.ndarray | None = None
@@ -51,7 +53,7 @@ class Widths:
     inter: int | None = None
 
 
-def _linear_pair(pair: _Pair, config: Mapping[str, Any], name: str) -> Factors:
+def _linear_pair(pair: Pair, config: Mapping[str, Any], name: str) -> Factors:
     """A 2-D ``lora_A [r, in]``, ``lora_B [out, r]`` pair with its config rank and scale."""
     a, b = pair.a, pair.b
     if a.ndim != 2:
@@ -97,7 +99,7 @@ def check_widths(proj: str, a: np.ndarray, b: np.ndarray, key_a: str, key_b: str
 # router
 # --------------------------------------------------------------------------
 
-def read_router(pair: _Pair, config: Mapping[str, Any], name: str, widths: Widths) -> Factors:
+def read_router(pair: Pair, config: Mapping[str, Any], name: str, widths: Widths) -> Factors:
     """The router's pair: ``mlp.gate`` (``router`` for gpt-oss and Llama 4).
 
     ``lora_A [r, H]``, ``lora_B [E, r]``. Written by every peft release with
@@ -121,7 +123,7 @@ def read_router(pair: _Pair, config: Mapping[str, Any], name: str, widths: Width
 # per-expert modules (transformers 4)
 # --------------------------------------------------------------------------
 
-def read_per_expert(pair: _Pair, config: Mapping[str, Any], name: str, module: str,
+def read_per_expert(pair: Pair, config: Mapping[str, Any], name: str, module: str,
                     widths: Widths) -> tuple[str, Factors]:
     """One expert's ``nn.Linear`` pair: ``experts.{e}.{gate,up,down}_proj`` or ``w1/w3/w2``.
 
@@ -143,7 +145,7 @@ def read_per_expert(pair: _Pair, config: Mapping[str, Any], name: str, module: s
 # shared experts
 # --------------------------------------------------------------------------
 
-def read_shared_expert(pair: _Pair, config: Mapping[str, Any], name: str, module: str,
+def read_shared_expert(pair: Pair, config: Mapping[str, Any], name: str, module: str,
                        hidden: int | None) -> tuple[str, Factors]:
     """A shared expert MLP's pair: ``shared_experts.{gate,up,down}_proj`` (DeepSeek-V2/V3).
 
@@ -197,7 +199,7 @@ class _Reading:
     inter: int
 
 
-def _readings(group: Sequence[_Pair], params: Sequence[str], config, experts_path: str,
+def _readings(group: Sequence[Pair], params: Sequence[str], config, experts_path: str,
               widths: Widths, lora_a_reads: str) -> list[_Reading]:
     """Every (parameter per pair, factor order) that fits the shapes, ranks and widths."""
     version = peft_version(config)
@@ -234,7 +236,7 @@ def _readings(group: Sequence[_Pair], params: Sequence[str], config, experts_pat
     return out
 
 
-def read_fused_experts(group: Sequence[tuple[int, _Pair]], config: Mapping[str, Any],
+def read_fused_experts(group: Sequence[tuple[int, Pair]], config: Mapping[str, Any],
                        experts_path: str, widths: Widths,
                        lora_a_reads: str = "auto") -> list[tuple[str, np.ndarray, np.ndarray,
                                                                  float, str]]:

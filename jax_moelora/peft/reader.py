@@ -33,7 +33,7 @@ from jax_moelora.peft.adapter import (
     ProjectionLoRA,
 )
 from jax_moelora.peft.config import CONFIG_NAME, read_config
-from jax_moelora.peft.layouts import Widths, _Pair
+from jax_moelora.peft.layouts import Pair, Widths
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 
@@ -143,7 +143,7 @@ def load_peft_adapter(path: str | os.PathLike, *, name: str | None = None,
     widths = Widths(num_experts, hidden_size, intermediate_size)
 
     skipped: list[str] = []
-    pairs: dict[tuple[int, str, str], _Pair] = {}  # (layer, block path, rest) -> pair
+    pairs: dict[tuple[int, str, str], Pair] = {}  # (layer, block path, rest) -> pair
     for key, t in tensors.items():
         m = _KEY.match(key)
         if t is None or m is None:
@@ -155,7 +155,7 @@ def load_peft_adapter(path: str | os.PathLike, *, name: str | None = None,
             raise AdapterFormatError(f"key {key!r} is a LoRA bias; LoRA biases cannot be folded")
         block = m["module"].split(".", 1)[0]
         block_path = f"{m['prefix']}layers.{m['layer']}.{block}".removeprefix(_MODEL_PREFIX)
-        pair = pairs.setdefault((int(m["layer"]), block_path, _moe_rest(m["module"])), _Pair())
+        pair = pairs.setdefault((int(m["layer"]), block_path, _moe_rest(m["module"])), Pair())
         if m["kind"] == "lora_A":
             pair.key_a, pair.a = key, t
         else:
@@ -182,7 +182,7 @@ def load_peft_adapter(path: str | os.PathLike, *, name: str | None = None,
                                      f"which {slot[expert][3]!r} already adapts")
         slot[expert] = (np.ascontiguousarray(a), np.ascontiguousarray(b), scale, key)
 
-    fused: dict[tuple[int, str], list[tuple[int, _Pair]]] = {}
+    fused: dict[tuple[int, str], list[tuple[int, Pair]]] = {}
     for (layer, block_path, rest), pair in sorted(pairs.items(), key=lambda kv: kv[0]):
         if pair.a is None or pair.b is None:
             have = pair.key_a or pair.key_b
@@ -227,8 +227,8 @@ def load_peft_adapter(path: str | os.PathLike, *, name: str | None = None,
         used.add("fused_experts")
 
     layers: dict[int, dict[str, ProjectionLoRA]] = {}
-    for (layer, proj), slot in sorted(routed.items(), key=lambda kv: (kv[0][0],
-                                                                       PROJECTIONS.index(kv[0][1]))):
+    for (layer, proj), slot in sorted(routed.items(),
+                                      key=lambda kv: (kv[0][0], PROJECTIONS.index(kv[0][1]))):
         n = 1 if proj == "router" else num_experts
         layers.setdefault(layer, {})[proj] = ProjectionLoRA.from_pairs(slot, n_experts=n)
     shared_layers: dict[int, dict[str, ProjectionLoRA]] = {}

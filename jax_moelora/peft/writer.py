@@ -68,7 +68,10 @@ def _shares_a(mats) -> bool:
 
 
 def _fused_gate_up(ag, bg, au, bu, split: str, block: bool) -> tuple[np.ndarray, np.ndarray]:
-    """``(A [E, r', H], B [E, 2I, r'])`` of gate and up; ``block``: rank ``2r``, B block-diagonal."""
+    """``(A [E, r', H], B [E, 2I, r'])`` of gate and up.
+
+    ``block``: ``r' = 2r``, A stacked along the rank, B block-diagonal; else ``r' = r``, the
+    shared A."""
     if not block:
         a, b_g, b_u = ag, bg, bu
     else:
