@@ -36,7 +36,10 @@ CASES = [
                                         expert_names="mixtral"), True),
     ("gpt_oss_target_parameters", "gpt_oss",
      dict(r=2, lora_alpha=4, router="router", gate_up_split="interleaved"), False),
+    ("deepseek_v2_target_parameters_shared", "deepseek_v2", dict(r=2, lora_alpha=4), True),
+    ("deepseek_v3_target_parameters_shared", "deepseek_v3", dict(r=2, lora_alpha=2), False),
 ]
+SHARED_INTER = INTER  # moe_intermediate_size * n_shared_experts (1) of the tiny DeepSeek models
 
 
 def _scale(kw, proj):
@@ -63,7 +66,12 @@ def write(out: Path) -> None:
              "up": pair(EXPERTS, r, HIDDEN, INTER), "down": pair(EXPERTS, down_r, INTER, HIDDEN)}
         if not separate:
             w["up"] = (w["gate"][0], w["up"][1])
-        folder = save_peft_adapter(out / name / "adapter", {0: w}, **kw)
+        shared = None
+        if family.startswith("deepseek"):
+            shared = {0: {p: tuple(m[0] for m in pair(1, r, k, n)) for p, k, n in (
+                ("gate", HIDDEN, SHARED_INTER), ("up", HIDDEN, SHARED_INTER),
+                ("down", SHARED_INTER, HIDDEN))}}
+        folder = save_peft_adapter(out / name / "adapter", {0: w}, shared_experts=shared, **kw)
         d = {p: np.einsum("enr,erk->enk", w[p][1].astype(np.float64), w[p][0]) * _scale(kw, p)
              for p in w}  # [E, out, in]
         router = "router" if family == "gpt_oss" else "gate"
@@ -75,6 +83,8 @@ def write(out: Path) -> None:
             gate_up, down = np.concatenate([d["gate"], d["up"]], axis=1), d["down"]
         expected = {f"{pre}.{router}.weight": d["router"][0],
                     f"{pre}.experts.gate_up_proj": gate_up, f"{pre}.experts.down_proj": down}
+        for p, (a, b) in (shared or {0: {}})[0].items():
+            expected[f"{pre}.shared_experts.{p}_proj.weight"] = _scale(kw, p) * (b @ a)
         save_file({k: np.ascontiguousarray(v, np.float32) for k, v in expected.items()},
                   str(out / name / "expected.safetensors"))
         (out / name / "case.json").write_text(json.dumps({"family": family, "kwargs": kw}))

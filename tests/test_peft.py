@@ -441,3 +441,25 @@ def test_ambiguous_fused_pair_names_what_to_pass(tmp_path):
     cfg = json.loads((folder / CONFIG_NAME).read_text())
     (folder / CONFIG_NAME).write_text(json.dumps(cfg | {"peft_version": "0.21.2"}))
     np.testing.assert_allclose(load_peft_adapter(folder).layers[0]["gate"].delta(1), d_new)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shared_experts_and_router_name_round_trip(tmp_path, layout):
+    """DeepSeek's shared expert MLP and gpt-oss's router module name."""
+    rng = np.random.default_rng(15)
+    w = factors(rng, r=2, layers=1)
+    shared = {0: {p: (rng.standard_normal((2, k)).astype(np.float32),
+                      rng.standard_normal((n, 2)).astype(np.float32))
+                  for p, k, n in (("gate", H, 16), ("up", H, 16), ("down", 16, H))}}
+    folder = save_peft_adapter(tmp_path, w, r=2, lora_alpha=4, layout=layout, router="router",
+                               shared_experts=shared)
+    keys = set(load_file(str(folder / WEIGHTS_NAME)))
+    assert "base_model.model.model.layers.0.mlp.router.lora_A.weight" in keys
+    assert "base_model.model.model.layers.0.mlp.shared_experts.down_proj.lora_B.weight" in keys
+    ad = load_peft_adapter(folder, **DIMS)
+    assert_matches(ad, w, {p: 2.0 for p in w[0]})
+    assert list(ad.shared_experts[0]) == ["gate", "up", "down"]
+    for p, (a, b) in shared[0].items():
+        lora = ad.shared_experts[0][p]
+        assert lora.n_experts == 1
+        np.testing.assert_allclose(lora.delta(0), 2 * b.astype(np.float64) @ a, rtol=1e-6)

@@ -97,6 +97,7 @@ def save_peft_adapter(path: str | os.PathLike,
                       dtype: Any = np.float32, prefix: str = "base_model.model.model.",
                       expert_names: str = "qwen3", router: str = "gate",
                       gate_up_split: str = "halves",
+                      shared_experts: Mapping[int, Mapping[str, tuple[Any, Any]]] | None = None,
                       base_model_name_or_path: str | None = None,
                       extra_tensors: Mapping[str, Any] | None = None,
                       config_overrides: Mapping[str, Any] | None = None) -> Path:
@@ -121,6 +122,13 @@ def save_peft_adapter(path: str | os.PathLike,
       router: the router module's name (``"gate"``, or ``"router"`` for gpt-oss).
       gate_up_split: ``"halves"`` or ``"interleaved"`` (gpt-oss), for the
         fused ``gate_up_proj``.
+      shared_experts: ``{layer: {"gate" | "up" | "down": (A [r, K], B [N, r])}}``
+        of a shared expert MLP (DeepSeek-V2/V3), written as
+        ``mlp.shared_experts.{gate,up,down}_proj`` and targeted as
+        ``target_parameters`` ``"shared_experts.gate_proj.weight"`` ... (peft
+        0.21 rewrites ``target_modules`` ending in ``gate_proj``, ``up_proj``,
+        ``down_proj`` into the routed experts' parameters), or as
+        ``target_modules`` in the ``"experts"`` layout.
       extra_tensors: more tensors to write as they are (e.g. attention LoRA).
       config_overrides: more config entries (override the defaults).
 
@@ -185,6 +193,22 @@ def save_peft_adapter(path: str | os.PathLike,
             put(f"{key}.lora_A.weight", a.reshape(E * rank, -1))  # rows e * r + j
             put(f"{key}.lora_B.weight",
                 np.transpose(b, (1, 2, 0)).reshape(b.shape[1], E * rank))  # columns j * E + e
+    shared_has: set[str] = set()
+    for layer, projs in sorted((shared_experts or {}).items()):
+        unknown = set(projs) - {"gate", "up", "down"}
+        if unknown:
+            raise ValueError(f"save_peft_adapter: unknown shared expert projection(s) "
+                             f"{sorted(unknown)} in layer {layer}; known: gate, up, down")
+        for p, (a, b) in projs.items():
+            a, b = np.asarray(a), np.asarray(b)
+            if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+                raise ValueError(f"save_peft_adapter: shared {p} factors must be A [r, K] and "
+                                 f"B [N, r], got {a.shape} and {b.shape}")
+            stem = f"{prefix}layers.{layer}.mlp.shared_experts.{p}_proj"
+            put(f"{stem}.lora_A.weight", a)
+            put(f"{stem}.lora_B.weight", b)
+            shared_has.add(p)
+    shared_names = [f"shared_experts.{p}_proj" for p in ("gate", "up", "down") if p in shared_has]
     for key, v in (extra_tensors or {}).items():
         tensors[key] = np.ascontiguousarray(np.asarray(v))
 
@@ -203,11 +227,12 @@ def save_peft_adapter(path: str | os.PathLike,
     target_parameters = None
     if layout == "experts":
         target_modules = (["gate"] if "router" in has else []) + [
-            n for p, n in zip(("gate", "up", "down"), names) if p in has]
+            n for p, n in zip(("gate", "up", "down"), names) if p in has] + shared_names
     else:
         target_parameters = (["experts.gate_up_proj"] if "gate" in has else []) + (
             ["experts.down_proj"] if "down" in has else []) + (
-            [f"{router}.weight"] if "router" in has else [])
+            [f"{router}.weight"] if "router" in has else []) + [
+            f"{n}.weight" for n in shared_names]
     config: dict[str, Any] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
