@@ -184,7 +184,8 @@ def model_config(family: str):
 
 def routing_settings(config) -> dict[str, Any]:
     keys = ("norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group", "topk_method",
-            "scoring_func", "swiglu_limit", "hidden_act", "n_shared_experts", "router_jitter_noise")
+            "scoring_func", "swiglu_limit", "swiglu_alpha", "hidden_act", "n_shared_experts",
+            "router_jitter_noise")
     return {k: getattr(config, k) for k in keys if hasattr(config, k)}
 
 
