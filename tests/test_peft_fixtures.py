@@ -190,3 +190,122 @@ def test_moe_block_matches_torch(name):
     for ids, want in ((-1, ref["out_base"]), (0, ref["out_lora"])):
         got = np.asarray(block(x, jnp.full((T,), ids, jnp.int32), impl="jnp"))
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+# --------------------------------------------------------------------------
+# the fixtures are self-consistent: a float64 NumPy block of each family, fed the stored base
+# tensors (plus the stored deltas), reproduces the stored torch outputs
+# --------------------------------------------------------------------------
+
+def _silu(v):
+    return v / (1 + np.exp(-v))
+
+
+def _canonical(meta, ref, with_delta):
+    """The block's tensors as float64 ``[out, in]`` maps: router ``[E, H]`` (+ bias), gate and up
+    ``[E, I, H]``, down ``[E, H, I]`` (+ biases), shared ``{gate, up, down}``."""
+    t = {}
+    for k, v in ref.items():
+        if k.startswith("base."):
+            name = re.sub(r"^base\.model\.layers\.0\.\w+\.", "", k)
+            d = ref.get("delta." + k[len("base."):]) if with_delta else None
+            t[name] = v.astype(np.float64) + (0 if d is None else d)
+    E, I = meta["model"]["num_experts"], meta["model"]["intermediate_size"]
+    out = {"router": t.get("gate.weight", t.get("router.weight")), "router_bias": t.get(
+        "router.bias"), "e_bias": t.get("gate.e_score_correction_bias")}
+    if "experts.gate_up_proj" in t:
+        gu, down = t["experts.gate_up_proj"], t["experts.down_proj"]
+        if meta["family"] == "gpt_oss":  # [E, H, 2I] interleaved, [E, I, H]
+            gu, down = np.transpose(gu, (0, 2, 1)), np.transpose(down, (0, 2, 1))
+            out["gate"], out["up"] = gu[:, 0::2], gu[:, 1::2]
+            out["gate_bias"] = t["experts.gate_up_proj_bias"][:, 0::2]
+            out["up_bias"] = t["experts.gate_up_proj_bias"][:, 1::2]
+            out["down_bias"] = t["experts.down_proj_bias"]
+        else:
+            out["gate"], out["up"] = gu[:, :I], gu[:, I:]
+        out["down"] = down
+    else:  # transformers 4: experts.{e}.{gate_proj,up_proj,down_proj | w1,w3,w2}.weight
+        names = ("w1", "w3", "w2") if "experts.0.w1.weight" in t else ("gate_proj", "up_proj",
+                                                                        "down_proj")
+        for proj, n in zip(("gate", "up", "down"), names):
+            out[proj] = np.stack([t[f"experts.{e}.{n}.weight"] for e in range(E)])
+    if "shared_experts.gate_proj.weight" in t:
+        out["shared"] = {p: t[f"shared_experts.{p}_proj.weight"] for p in ("gate", "up", "down")}
+    return out
+
+
+def _route(meta, w, x):
+    """``(ids [T, k], weights [T, k])`` as the family's router picks them."""
+    m, fam = meta["model"], meta["family"]
+    k, E = m["top_k"], m["num_experts"]
+    logits = x @ w["router"].T + (0 if w["router_bias"] is None else w["router_bias"])
+    if fam == "gpt_oss":  # top-k on the logits, softmax over the chosen
+        ids = np.argsort(-logits, axis=1)[:, :k]
+        top = np.take_along_axis(logits, ids, 1)
+        e = np.exp(top - top.max(1, keepdims=True))
+        return ids, e / e.sum(1, keepdims=True)
+    if fam == "deepseek_v3":  # sigmoid, bias-corrected choice, top-2 sum per group
+        s = 1 / (1 + np.exp(-logits))
+        choice = s + w["e_bias"]
+        g = choice.reshape(len(x), m["n_group"], -1)
+        gscore = np.sort(g, axis=2)[:, :, -2:].sum(2)
+        keep = np.argsort(-gscore, axis=1)[:, :m["topk_group"]]
+        mask = np.zeros_like(gscore, bool)
+        np.put_along_axis(mask, keep, True, 1)
+        choice = np.where(np.repeat(mask, E // m["n_group"], 1), choice, -np.inf)
+        ids = np.argsort(-choice, axis=1)[:, :k]
+        wts = np.take_along_axis(s, ids, 1)
+        if m["norm_topk_prob"]:
+            wts = wts / (wts.sum(1, keepdims=True) + 1e-20)
+        return ids, wts * m["routed_scaling_factor"]
+    e = np.exp(logits - logits.max(1, keepdims=True))
+    p = e / e.sum(1, keepdims=True)
+    if fam == "deepseek_v2":  # group-limited greedy on the softmax, no renormalisation
+        g = p.reshape(len(x), m["n_group"], -1).max(2)
+        keep = np.argsort(-g, axis=1)[:, :m["topk_group"]]
+        mask = np.zeros_like(g, bool)
+        np.put_along_axis(mask, keep, True, 1)
+        p = np.where(np.repeat(mask, E // m["n_group"], 1), p, 0.0)
+        ids = np.argsort(-p, axis=1)[:, :k]
+        return ids, np.take_along_axis(p, ids, 1) * m["routed_scaling_factor"]
+    ids = np.argsort(-p, axis=1)[:, :k]  # Qwen3-MoE, Mixtral
+    wts = np.take_along_axis(p, ids, 1)
+    if m.get("norm_topk_prob", True):
+        wts = wts / wts.sum(1, keepdims=True)
+    return ids, wts
+
+
+def numpy_block(meta, w, x):
+    """The family's sparse MoE block in float64 on ``x [T, H]``."""
+    ids, wts = _route(meta, w, x)
+    y = np.zeros_like(x)
+    gpt = meta["family"] == "gpt_oss"
+    for t in range(len(x)):
+        for e, c in zip(ids[t], wts[t]):
+            g, u = w["gate"][e] @ x[t], w["up"][e] @ x[t]
+            if gpt:
+                # transformers 5.5 hard-codes limit 7.0 and alpha 1.702 in the experts
+                lim = meta["model"].get("swiglu_limit", 7.0)
+                alpha = meta["model"].get("swiglu_alpha", 1.702)
+                g = np.minimum(g + w["gate_bias"][e], lim)
+                u = np.clip(u + w["up_bias"][e], -lim, lim)
+                h = (u + 1) * g / (1 + np.exp(-alpha * g))
+            else:
+                h = _silu(g) * u
+            y[t] += c * (w["down"][e] @ h + (w["down_bias"][e] if gpt else 0))
+    if "shared" in w:
+        s = w["shared"]
+        y += (_silu(x @ s["gate"].T) * (x @ s["up"].T)) @ s["down"].T
+    return y
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_fixture_outputs_follow_from_its_tensors(name):
+    """out_base and out_lora of every fixture are the family's block on base.* (+ delta.*)."""
+    meta, ref = fixture(name)
+    x = ref["x"].astype(np.float64)
+    for with_delta, key in ((False, "out_base"), (True, "out_lora")):
+        got = numpy_block(meta, _canonical(meta, ref, with_delta), x)
+        want = ref[key]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
+                                   err_msg=key)
