@@ -155,19 +155,11 @@ def test_converted_adapter_keeps_block_diagonal_b():
 BLOCK_FAMILIES = ("qwen3_moe", "mixtral")
 
 
-def _block_fixtures():
-    out = []
-    for n in FIXTURES:
-        meta, _ = fixture(n)
-        if meta["family"] in BLOCK_FAMILIES and meta["made_with"]["transformers"].startswith("5"):
-            out.append(n)
-    return out
-
-
-@pytest.mark.parametrize("name", _block_fixtures())
-def test_moe_block_matches_torch(name):
+@pytest.mark.parametrize("impl", ["jnp", "auto"])
+@pytest.mark.parametrize("name", [n for n in FIXTURES if fixture(n)[0]["family"] in BLOCK_FAMILIES])
+def test_moe_block_matches_torch(name, impl):
     """jax_moelora.nnx.MoEBlock with the fixture's base weights and adapter reproduces the
-    transformers 5 block (Qwen3-MoE, Mixtral) with and without the adapter."""
+    transformers block (Qwen3-MoE, Mixtral) with and without the adapter."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -175,21 +167,21 @@ def test_moe_block_matches_torch(name):
 
     meta, ref = fixture(name)
     m = meta["model"]
-    H, I, E, k = m["hidden_size"], m["intermediate_size"], m["num_experts"], m["top_k"]
-    pre = "base.model.layers.0.mlp."
-    block = MoEBlock(H, I, E, k, norm_topk_prob=bool(m.get("norm_topk_prob", True)), max_loras=2,
+    w = _canonical(meta, ref, with_delta=False)
+    block = MoEBlock(m["hidden_size"], m["intermediate_size"], m["num_experts"], m["top_k"],
+                     norm_topk_prob=bool(m.get("norm_topk_prob", True)), max_loras=2,
                      max_rank=16, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    gate_up, down = ref[pre + "experts.gate_up_proj"], ref[pre + "experts.down_proj"]
-    block.router.kernel[...] = jnp.asarray(ref[pre + "gate.weight"].T)
-    block.gate_proj[...] = jnp.asarray(np.transpose(gate_up[:, :I], (0, 2, 1)))
-    block.up_proj[...] = jnp.asarray(np.transpose(gate_up[:, I:], (0, 2, 1)))
-    block.down_proj[...] = jnp.asarray(np.transpose(down, (0, 2, 1)))
+    block.router.kernel[...] = jnp.asarray(w["router"].T, jnp.float32)
+    for proj in ("gate", "up", "down"):
+        getattr(block, f"{proj}_proj")[...] = jnp.asarray(np.transpose(w[proj], (0, 2, 1)),
+                                                          jnp.float32)
     AdapterPool([block]).load(ROOT / name / "adapter", name="a")
     x = jnp.asarray(ref["x"])
     T = x.shape[0]
+    tol = 2e-5 if impl == "jnp" else 1e-4  # "auto": the CUDA kernels on a GPU
     for ids, want in ((-1, ref["out_base"]), (0, ref["out_lora"])):
-        got = np.asarray(block(x, jnp.full((T,), ids, jnp.int32), impl="jnp"))
-        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+        got = np.asarray(block(x, jnp.full((T,), ids, jnp.int32), impl=impl))
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
 # --------------------------------------------------------------------------
