@@ -3,8 +3,8 @@
 A small Qwen3-MoE-shaped model (embedding, ``--layers`` MoE layers with
 RMSNorm and residual, tied LM head; the attention sublayers are left out:
 this library folds the MoE part) with seeded random base weights. Three LoRA
-adapters are drawn at random, written as real PEFT folders (three different
-key layouts) into a temporary folder, and loaded back into one adapter pool.
+adapters are drawn at random, written as real PEFT folders (per-expert and
+target_parameters key layouts) into a temporary folder, and loaded back into one adapter pool.
 A mixed batch of streams (base model + the three adapters) runs a prefill
 and ``--steps`` greedy decode steps through one jitted step function; every
 layer's output is checked against the pure-JAX folds (``impl="jnp"``) on the
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
 _ADAPTERS = (
     ("support-bot", "experts", 8, 16.0, False, None, ("router", "gate", "up", "down")),
     ("sql-writer", "target_parameters", 16, 16.0, True, None, ("router", "gate", "up", "down")),
-    ("poet", "gate_up", 4, 8.0, False, {"down_proj": 12}, ("gate", "up", "down")),
+    ("poet", "target_parameters", 4, 8.0, False, {"down_proj": 12}, ("gate", "up", "down")),
 )
 
 

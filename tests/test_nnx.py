@@ -56,7 +56,7 @@ def factors(rng, *, r=4, down_r=None, experts=E, layers=1, amp=0.6, shared_a=Tru
     return out
 
 
-LAYOUTS = [("experts", 4, {}), ("target_parameters", 8, {}), ("gate_up", 4, {"down_proj": 12})]
+LAYOUTS = [("experts", 4, {}), ("target_parameters", 8, {}), ("target_parameters", 4, {"down_proj": 12})]
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +280,7 @@ def test_rejected_loads_leave_the_pool_unchanged(tmp_path, adapter_dirs):
     ]
     for name, kw, _, match in cases:
         path = save_peft_adapter(tmp_path / name, factors(rng, **kw), r=kw.get("r", 4),
-                                 lora_alpha=4)
+                                 lora_alpha=4, layout="experts")
         adapter = load_peft_adapter(path)  # widths unknown: the pool checks them
         with pytest.raises(AdapterFormatError, match=match):
             pool.load(adapter)

@@ -1,8 +1,8 @@
-"""PEFT adapter files for MoE layers: every layout round-trips, every reject names its key.
+"""PEFT adapter files for MoE layers: every written layout round-trips, every reject names its key.
 
-The files are real PEFT folders written with ``safetensors`` (through
-``save_peft_adapter``, or key by key with ``safetensors.numpy.save_file`` for
-the layouts and faults the writer does not produce).
+The files are PEFT folders written with ``safetensors`` (through ``save_peft_adapter``, or key by
+key with ``safetensors.numpy.save_file`` for the faults the writer does not produce). Adapters
+made by real peft are tested against torch in ``test_peft_fixtures.py``.
 """
 
 from __future__ import annotations
@@ -87,8 +87,7 @@ def test_every_layout_round_trips(tmp_path, layout):
     assert_matches(ad, w, {p: 8 / 4 for p in ("router", "gate", "up", "down")})
 
 
-@pytest.mark.parametrize("layout", ["experts", "gate_up", "target_parameters",
-                                    "target_parameters_3d"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_without_model_widths(tmp_path, layout):
     w = factors(np.random.default_rng(1), r=8)
     save_peft_adapter(tmp_path, w, r=8, lora_alpha=4, layout=layout)
@@ -108,7 +107,7 @@ def test_float_dtypes_load(tmp_path, dtype):
 
 def test_rslora_scale_is_alpha_over_sqrt_r(tmp_path):
     w = factors(np.random.default_rng(3), r=16, layers=1)
-    save_peft_adapter(tmp_path, w, r=16, lora_alpha=8, use_rslora=True)
+    save_peft_adapter(tmp_path, w, r=16, lora_alpha=8, use_rslora=True, layout="experts")
     ad = load_peft_adapter(tmp_path, **DIMS)
     np.testing.assert_allclose(ad.layers[0]["gate"].scale, 8 / math.sqrt(16))
     assert_matches(ad, w, {p: 2.0 for p in w[0]})
@@ -118,7 +117,7 @@ def test_rank_and_alpha_patterns(tmp_path):
     """rank_pattern gives down rank 12 (padded to 16); alpha_pattern one expert's alpha."""
     w = factors(np.random.default_rng(4), r=4, down_r=12, layers=1, shared_a=False)
     save_peft_adapter(tmp_path, w, r=4, lora_alpha=8, rank_pattern={"down_proj": 12},
-                      alpha_pattern={r"experts\.1\.gate_proj": 32})
+                      alpha_pattern={r"experts\.1\.gate_proj": 32}, layout="experts")
     ad = load_peft_adapter(tmp_path, **DIMS)
     down, gate = ad.layers[0]["down"], ad.layers[0]["gate"]
     assert down.max_rank == 16 and (down.ranks == 12).all()
@@ -156,8 +155,8 @@ def test_target_parameters_key_layout_is_peft_s(tmp_path):
     np.testing.assert_allclose(delta[2, :, :I], (bg[2] @ a[2]).T, rtol=1e-5, atol=1e-5)
 
 
-def test_nested_order_follows_config(tmp_path):
-    """target_parameters listed the other way round: down_proj is the inner wrapper."""
+def test_nested_order_is_read_from_shapes(tmp_path):
+    """down_proj as the inner wrapper, config in either order: the shapes decide."""
     w = factors(np.random.default_rng(7), r=4, layers=1, router=False)
     save_peft_adapter(tmp_path / "a", w, r=4, lora_alpha=4, layout="target_parameters")
     t = load_file(str(tmp_path / "a" / WEIGHTS_NAME))
@@ -208,8 +207,7 @@ def test_key_spellings(tmp_path, prefix, block, names, adapter):
     t[f"{prefix}layers.0.{block}.gate.lora_A{adapter}.weight"] = a[0]
     t[f"{prefix}layers.0.{block}.gate.lora_B{adapter}.weight"] = b[0]
     extra = {f"{prefix}layers.0.self_attn.q_proj.lora_A.weight": np.ones((4, H), np.float32),
-             f"{prefix}layers.0.mlp.shared_expert.gate_proj.lora_A.weight": np.ones((4, H),
-                                                                                   np.float32),
+             f"{prefix}layers.0.mlp.gate_proj.lora_A.weight": np.ones((4, H), np.float32),
              f"{prefix}embed_tokens.weight": np.ones((3, H), np.float32)}
     write_raw(tmp_path, t | extra, {"peft_type": "LORA", "r": 4, "lora_alpha": 4})
     ad = load_peft_adapter(tmp_path, **DIMS)
@@ -237,9 +235,9 @@ def test_partial_experts_and_layers(tmp_path):
 # rejects
 # --------------------------------------------------------------------------
 
-def _good(tmp_path, router=True, **kw):
+def _good(tmp_path, router=True, layout="experts", **kw):
     w = factors(np.random.default_rng(11), r=4, layers=1, router=router)
-    return save_peft_adapter(tmp_path / "good", w, r=4, lora_alpha=4, **kw)
+    return save_peft_adapter(tmp_path / "good", w, r=4, lora_alpha=4, layout=layout, **kw)
 
 
 def _rewrite(src, dst, *, tensors=None, config=None):
@@ -254,7 +252,7 @@ def _raises(path, match, **kw):
 
 
 def test_reject_expert_id_out_of_range(tmp_path):
-    good = _good(tmp_path)
+    good = _good(tmp_path, router=False)
     _raises(good, r"expert id out of range: key '.*experts\.3\.\w+_proj\.lora_A\.weight' "
                   r"adapts expert 3, the model has 3 experts", num_experts=3)
 
@@ -272,11 +270,13 @@ def test_reject_unknown_projection(tmp_path):
     _raises(bad, r"unknown projection: key '.*experts\.1\.foo_proj\.lora_A\.weight'")
 
 
-def test_reject_unknown_target_parameter(tmp_path):
+def test_reject_target_parameters_that_miss_a_nested_pair(tmp_path):
     good = _good(tmp_path, layout="target_parameters")
     bad = _rewrite(good, tmp_path / "bad", config=lambda c: c | {
         "target_parameters": ["experts.gate_up_proj", "experts.bogus_proj"]})
-    _raises(bad, r"unknown projection: target_parameters entry 'experts\.bogus_proj'")
+    _raises(bad, r"keys \['.*experts\.lora_A\.weight', '.*experts\.base_layer\.lora_A\.weight'\] "
+                 r"hold 2 nested target_parameters pair\(s\), but adapter_config\.json lists 1 "
+                 r"expert parameter\(s\): \['gate_up_proj'\]")
 
 
 def test_reject_target_pair_without_target_parameters(tmp_path):
@@ -286,15 +286,15 @@ def test_reject_target_pair_without_target_parameters(tmp_path):
 
 
 def test_reject_shape_mismatch_with_the_model(tmp_path):
-    good = _good(tmp_path)
+    good = _good(tmp_path, router=False)
     _raises(good, r"shape mismatch: down key '.*experts\.0\.down_proj\.lora_B\.weight' writes "
                   r"24 outputs, the model's down projection writes 32",
             num_experts=E, hidden_size=32, intermediate_size=I)
     _raises(good, r"shape mismatch: down key '.*experts\.0\.down_proj\.lora_A\.weight' reads 8 "
                   r"inputs, the model's down projection reads 16",
             num_experts=E, hidden_size=H, intermediate_size=16)
-    _raises(good, r"shape mismatch: router key '.*mlp\.gate\.lora_B\.weight' has 4 outputs",
-            num_experts=5)
+    _raises(_good(tmp_path / "r"), r"shape mismatch: router key '.*mlp\.gate\.lora_B\.weight' has "
+                                   r"4 outputs", num_experts=5)
 
 
 def test_reject_experts_of_different_widths(tmp_path):
@@ -314,7 +314,8 @@ def test_reject_rank_mismatch(tmp_path):
     _raises(bad2, r"rank mismatch: key '.*lora_A\.weight' has rank 4, the config gives")
     tp = _good(tmp_path / "tp", router=False, layout="target_parameters")
     bad3 = _rewrite(tp, tmp_path / "bad3", config=lambda c: c | {"r": 3})
-    _raises(bad3, r"rank mismatch: key '.*experts.*lora_A\.weight' has 16 rows, not a multiple")
+    _raises(bad3, r"shape mismatch: the target_parameters keys \['.*experts\.lora_A\.weight', .*\] "
+                  r"\(lora_A, lora_B shapes .*\) fit no reading of .* with the config's ranks")
 
 
 def test_reject_missing_partner_and_non_float(tmp_path):
@@ -373,9 +374,92 @@ def test_reject_missing_files(tmp_path):
     _raises(good, r"malformed weights")
 
 
-def test_writer_rejects_fused_layout_without_shared_a(tmp_path):
-    w = factors(np.random.default_rng(12), r=4, layers=1, shared_a=False)
-    with pytest.raises(ValueError, match="share lora_A"):
-        save_peft_adapter(tmp_path, w, r=4, lora_alpha=4, layout="gate_up")
+def test_writer_fuses_separate_gate_and_up_block_diagonally(tmp_path):
+    """Gate and up with their own lora_A: peft's fusion (A stacked, B block-diagonal, rank 2r,
+    alpha_pattern keeping the scale), plain and rsLoRA."""
+    w = factors(np.random.default_rng(12), r=4, layers=2, shared_a=False)
+    for rslora, scale in ((False, 8 / 4), (True, 8 / 2)):
+        folder = save_peft_adapter(tmp_path / str(rslora), w, r=4, lora_alpha=8,
+                                   use_rslora=rslora, rank_pattern={"down_proj": 4})
+        cfg = json.loads((folder / CONFIG_NAME).read_text())
+        assert cfg["rank_pattern"] == {r".*\.gate_up_proj": 8, "down_proj": 4}
+        ad = load_peft_adapter(folder)
+        assert (ad.layers[1]["gate"].ranks == 8).all()
+        for layer, projs in w.items():
+            for proj, (a, b) in projs.items():
+                for e in range(a.shape[0]):
+                    ref = scale * (b[e].astype(np.float64) @ a[e])
+                    np.testing.assert_allclose(ad.layers[layer][proj].delta(e), ref,
+                                               atol=1e-5 * np.abs(ref).max())
     with pytest.raises(ValueError, match="layout must be one of"):
-        save_peft_adapter(tmp_path, w, r=4, lora_alpha=4, layout="fancy")
+        save_peft_adapter(tmp_path, w, r=4, lora_alpha=4, layout="gate_up")
+
+
+def test_writer_uses_mixtral_expert_names(tmp_path):
+    w = factors(np.random.default_rng(13), r=4, layers=1, shared_a=False)
+    folder = save_peft_adapter(tmp_path, w, r=4, lora_alpha=4, layout="experts",
+                               expert_names="mixtral")
+    keys = set(load_file(str(folder / WEIGHTS_NAME)))
+    assert "base_model.model.model.layers.0.block_sparse_moe.experts.2.w3.lora_B.weight" in keys
+    assert not any("_proj" in k for k in keys)
+    assert json.loads((folder / CONFIG_NAME).read_text())["target_modules"] == [
+        "gate", "w1", "w3", "w2"]
+    assert_matches(load_peft_adapter(folder, **DIMS), w, {p: 1.0 for p in w[0]})
+
+
+def test_reject_adapter_without_moe_lora(tmp_path):
+    """A file with no LoRA pair of an MoE block would serve the base model under its name."""
+    empty = write_raw(tmp_path / "empty", {}, {"r": 4, "lora_alpha": 4})
+    _raises(empty, r"no LoRA pair: .*adapter_model\.safetensors holds no lora_A/lora_B tensor")
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    attn = write_raw(tmp_path / "attn", {f"{q}.lora_A.weight": np.ones((4, H), np.float32),
+                                         f"{q}.lora_B.weight": np.ones((H, 4), np.float32)},
+                     {"r": 4, "lora_alpha": 4})
+    _raises(attn, r"no LoRA pair: .* \(2 key\(s\), e\.g\. \['base_model\.model\.model\.layers\.0"
+                  r"\.self_attn")
+
+
+def test_ambiguous_fused_pair_names_what_to_pass(tmp_path):
+    """One fused pair, no peft_version: lora_A [E*r, H] could read gate_up's input (peft >= 0.19.1)
+    or its output (older peft on [E, out, in] with 2I = H); the model's widths decide."""
+    rng = np.random.default_rng(14)
+    r, E_, I_ = 2, 4, 12  # 2 * I_ == H
+    a = rng.standard_normal((E_ * r, H)).astype(np.float32)
+    b = rng.standard_normal((H, E_ * r)).astype(np.float32)
+    pre = "base_model.model.model.layers.0.mlp.experts"
+    folder = write_raw(tmp_path, {f"{pre}.lora_A.weight": a, f"{pre}.lora_B.weight": b},
+                       {"r": r, "lora_alpha": r, "target_parameters": ["experts.gate_up_proj"]})
+    _raises(folder, r"ambiguous target_parameters keys .*pass hidden_size= and "
+                    r"intermediate_size= .*lora_a_reads=")
+    _raises(folder, r"ambiguous", hidden_size=H, intermediate_size=I_)  # square: still open
+    new = load_peft_adapter(folder, lora_a_reads="input")
+    old = load_peft_adapter(folder, lora_a_reads="output")
+    d_new = new.layers[0]["gate"].delta(1)
+    want = (b.reshape(H, r, E_)[:, :, 1] @ a.reshape(E_, r, H)[1])  # [2I, H]
+    np.testing.assert_allclose(d_new, want[:I_], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(old.layers[0]["gate"].delta(1), want.T[:I_], rtol=1e-5, atol=1e-5)
+    cfg = json.loads((folder / CONFIG_NAME).read_text())
+    (folder / CONFIG_NAME).write_text(json.dumps(cfg | {"peft_version": "0.21.2"}))
+    np.testing.assert_allclose(load_peft_adapter(folder).layers[0]["gate"].delta(1), d_new)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shared_experts_and_router_name_round_trip(tmp_path, layout):
+    """DeepSeek's shared expert MLP and gpt-oss's router module name."""
+    rng = np.random.default_rng(15)
+    w = factors(rng, r=2, layers=1)
+    shared = {0: {p: (rng.standard_normal((2, k)).astype(np.float32),
+                      rng.standard_normal((n, 2)).astype(np.float32))
+                  for p, k, n in (("gate", H, 16), ("up", H, 16), ("down", 16, H))}}
+    folder = save_peft_adapter(tmp_path, w, r=2, lora_alpha=4, layout=layout, router="router",
+                               shared_experts=shared)
+    keys = set(load_file(str(folder / WEIGHTS_NAME)))
+    assert "base_model.model.model.layers.0.mlp.router.lora_A.weight" in keys
+    assert "base_model.model.model.layers.0.mlp.shared_experts.down_proj.lora_B.weight" in keys
+    ad = load_peft_adapter(folder, **DIMS)
+    assert_matches(ad, w, {p: 2.0 for p in w[0]})
+    assert list(ad.shared_experts[0]) == ["gate", "up", "down"]
+    for p, (a, b) in shared[0].items():
+        lora = ad.shared_experts[0][p]
+        assert lora.n_experts == 1
+        np.testing.assert_allclose(lora.delta(0), 2 * b.astype(np.float64) @ a, rtol=1e-6)
