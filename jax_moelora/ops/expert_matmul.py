@@ -40,11 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moelora import _ext
-from jax_moelora.ops import autodiff
+from jax_moelora.ops import autodiff, expert_matmul_ffi
 from jax_moelora.ops.folds import resolve_impl
 from jax_moelora.tables import FLOAT_DTYPES, MoeExpertRoute
 
-__all__ = ["expert_matmul", "expert_offsets", "EXPERT_MATMUL_IMPLS"]
+__all__ = ["expert_matmul", "expert_offsets", "uses_kernel", "EXPERT_MATMUL_IMPLS"]
 
 EXPERT_MATMUL_IMPLS = ("auto", "fast", "cpu", "jnp")
 Impl = Literal["auto", "fast", "cpu", "jnp"]
@@ -175,17 +175,17 @@ def _fold(impl: str, xs, base, offsets, stids, route, ra):
                                  row_end=base.shape[0], x_gather=0, impl=impl)
 
 
-def _fast_ok(xs, ws) -> bool:
-    K, N = ws[0].shape[1], ws[0].shape[2]
-    return (_ext.HAS_EXPERT_MATMUL and jnp.dtype(xs.dtype) != jnp.float32
+def uses_kernel(dtype, K: int, N: int) -> bool:
+    """Whether ``impl="fast"`` runs the CUTLASS kernel for these operands (else
+    it runs ``ragged_dot`` and the fast fold): built, on an sm_90 GPU, bf16 or
+    f16, ``K`` and ``N`` multiples of ``EXPERT_MATMUL_ALIGN``."""
+    return (expert_matmul_ffi.kernel_usable() and jnp.dtype(dtype) != jnp.float32
             and K % _ext.EXPERT_MATMUL_ALIGN == 0 and N % _ext.EXPERT_MATMUL_ALIGN == 0)
 
 
 def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra):
     ra = ra if cfg.has_ra else None
-    if cfg.impl == "fast" and _fast_ok(xs, ws):
-        from jax_moelora.ops import expert_matmul_ffi
-
+    if cfg.impl == "fast" and uses_kernel(xs.dtype, ws[0].shape[1], ws[0].shape[2]):
         return expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes, ra)
     fold_impl = "cpu" if cfg.impl == "cpu" else ("fast" if cfg.impl == "fast" else "jnp")
     return tuple(_fold(fold_impl, xs, _ragged(xs, w, offsets), offsets, stids, r, ra)
