@@ -44,6 +44,8 @@ namespace moelora {
 // Bytes of the expert_matmul scratch buffer for `num_groups` GEMM problems
 // (weight sets x experts) on a device with `sm_count` SMs.
 int64_t expert_matmul_scratch_bytes(int64_t num_groups, int64_t sm_count);
+// SMs of CUDA device `device` (0 when it cannot be queried).
+int64_t cuda_sm_count(int64_t device);
 }  // namespace moelora
 #endif
 

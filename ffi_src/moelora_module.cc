@@ -56,6 +56,8 @@ NB_MODULE(_moelora, m) {
         nb::arg("num_groups"), nb::arg("sm_count"),
         "Bytes of expert_matmul's scratch buffer for num_groups GEMM problems on a device "
         "with sm_count SMs (pointer and shape arrays, then CUTLASS's workspace).");
+  m.def("cuda_sm_count", &moelora::cuda_sm_count, nb::arg("device"),
+        "SMs of a CUDA device (0 when it cannot be queried).");
 #else
   m.attr("HAS_EXPERT_MATMUL") = false;
 #endif

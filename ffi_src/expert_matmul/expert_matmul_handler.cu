@@ -115,6 +115,13 @@ ffi::Error ExpertMatmulCudaImpl(
 
 }  // namespace
 
+int64_t cuda_sm_count(int64_t device) {
+  int count = 0;
+  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, int(device)) != cudaSuccess)
+    return 0;
+  return count;
+}
+
 int64_t expert_matmul_scratch_bytes(int64_t num_groups, int64_t sm_count) {
   return std::max(expert_gemm_scratch_bytes_bf16(num_groups, int(sm_count)),
                   expert_gemm_scratch_bytes_f16(num_groups, int(sm_count)));

@@ -23,7 +23,11 @@ __all__ = ["expert_matmul_ffi", "device_sm_count", "kernel_usable"]
 @functools.cache
 def device_sm_count() -> int:
     """SMs of the first GPU (the persistent grid and CUTLASS's workspace)."""
-    return int(jax.devices("gpu")[0].core_count)
+    dev = jax.devices("gpu")[0]
+    count = getattr(dev, "core_count", None) or _ext.ext.cuda_sm_count(dev.local_hardware_id)
+    if not count:
+        raise RuntimeError(f"expert_matmul: cannot read the SM count of {dev}")
+    return int(count)
 
 
 @functools.cache
