@@ -5,7 +5,8 @@
 # build, run expert_matmul's GPU tests and the expert GEMM benchmark. Logs and the
 # bench rows land in $OUT.
 #   run: bash scripts/expert_matmul_check.sh          (timeout_s 600)
-#   env: BENCH="<bench --gemm args>" (default: every model, gate_up and down, T 64..16384)
+#   env: BENCH="<bench --gemm args>" (default "--models qwen": gate_up and down, T 64..16384;
+#        run again with BENCH="--models mixtral" and "--models deepseek" to fit the 600 s limit)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 O=${OUT:-/tmp/expert_matmul_check}; mkdir -p "$O"
@@ -22,7 +23,7 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_expert_ma
   > "$O/tests.log" 2>&1
 step "tests rc=$?"
 step bench
-timeout 240 python3 -m jax_moelora bench --gemm ${BENCH:-} --out "$O/bench_gemm" \
+timeout 240 python3 -m jax_moelora bench --gemm ${BENCH:---models qwen} --out "$O/bench_gemm" \
   > "$O/bench.log" 2>&1
 step "bench rc=$?"
 tail -45 "$O/bench.log" >> "$O/phases.log"
