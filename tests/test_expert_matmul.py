@@ -205,6 +205,14 @@ def check_lora(case: Case, out: np.ndarray, base: np.ndarray, route, *, strict: 
         assert_ulp_close(out[fold], ref[fold], "folded rows")
 
 
+def check_gemm_close(case: Case, out: np.ndarray, want: np.ndarray) -> None:
+    """The CUDA GEMM against the jnp backend: exact zeros, values within the
+    dtype's relative error."""
+    zero = np.all(np.asarray(want, np.float64) == 0, axis=1)
+    np.testing.assert_array_equal(bits(out[zero]), bits(want[zero]))
+    assert _rel(out, want) <= GEMM_RTOL[out.dtype]
+
+
 # ------------------------------------------------------------------ forward
 
 @pytest.mark.parametrize("num_loras", [0, 1, 4], ids=["L0", "L1", "L4"])
@@ -222,14 +230,6 @@ def test_single_weight(rng, impl, dtype, x_gather, num_loras):
     if num_loras:
         out = case.run(impl)
         check_lora(case, out, base, case.routes[0], strict=impl != "fast")
-
-
-def check_gemm_close(case: Case, out: np.ndarray, want: np.ndarray) -> None:
-    """The CUDA GEMM against the jnp backend: exact zeros, values within the
-    dtype's relative error."""
-    zero = np.all(np.asarray(want, np.float64) == 0, axis=1)
-    np.testing.assert_array_equal(bits(out[zero]), bits(want[zero]))
-    assert _rel(out, want) <= GEMM_RTOL[out.dtype]
 
 
 @pytest.mark.parametrize("num_loras", [0, 1, 4], ids=["L0", "L1", "L4"])
@@ -398,42 +398,6 @@ def test_grad_bf16_close(rng, impl):
     assert _rel(dx, want[0]) <= 2e-2 and _rel(dw, want[1]) <= 2e-2
 
 
-# ------------------------------------------------------------------ CUDA kernel
-
-@GPU
-def test_fast_runs_the_cutlass_kernel(rng):
-    """On an sm_90 GPU with the kernel built, impl='fast' lowers to the
-    expert_matmul custom call (so the gpu tests above exercise it)."""
-    from jax_moelora.ops.expert_matmul import uses_kernel
-
-    assert ml.backends()["expert_matmul_kernel"], "the CUTLASS kernel was not built"
-    assert uses_kernel(jnp.bfloat16, 64, 48) and uses_kernel(jnp.float16, 64, 48)
-    x, w, gs, route = _args(rng)
-    hlo = jax.jit(lambda x, w, gs: ml.expert_matmul(x, w, gs, lora=route, impl="fast")).lower(
-        x, w, gs).as_text()
-    assert "expert_matmul" in hlo
-
-
-@GPU
-@pytest.mark.parametrize("pair", [False, True], ids=["down", "gate_up"])
-def test_fast_model_shapes(pair):
-    """Qwen3-30B-A3B-shaped experts (128 experts, K = 2048, N = 768), 4096
-    routed rows, 4 adapters of rank 16: the CUDA path against jnp (GEMM within
-    bf16 error, rows without adapter bit-identical to the GEMM alone)."""
-    rng = np.random.default_rng(7)
-    E, K, N, M = 128, 2048, 768, 4096
-    sizes = np.bincount(rng.integers(0, E, M - 37), minlength=E).astype(np.int32)
-    case = make_case(rng, E=E, K=K, N=N, M=M, group_sizes=sizes, num_loras=4, pair=pair,
-                     ranks=(16,), max_rank=16)
-    base = case.run("fast", lora=False)
-    want = case.run("jnp", lora=False)
-    for b, wnt in zip(base if pair else (base,), want if pair else (want,)):
-        check_gemm_close(case, b, wnt)
-    out = case.run("fast")
-    for i, (o, b) in enumerate(zip(out if pair else (out,), base if pair else (base,))):
-        check_lora(case, o, b, case.routes[i], strict=False)
-
-
 # ------------------------------------------------------------------ validation
 
 def _args(rng, **kw):
@@ -486,6 +450,42 @@ def test_fast_without_a_gpu_is_refused(rng):
     x, w, gs, _ = _args(rng)
     with pytest.raises(ValueError, match="impl='fast' needs the CUDA kernels on a GPU"):
         ml.expert_matmul(x, w, gs, impl="fast")
+
+
+# ------------------------------------------------------------------ CUDA kernel
+
+@GPU
+def test_fast_runs_the_cutlass_kernel(rng):
+    """On an sm_90 GPU with the kernel built, impl='fast' lowers to the
+    expert_matmul custom call (so the gpu tests above exercise it)."""
+    from jax_moelora.ops.expert_matmul import uses_kernel
+
+    assert ml.backends()["expert_matmul_kernel"], "the CUTLASS kernel was not built"
+    assert uses_kernel(jnp.bfloat16, 64, 48) and uses_kernel(jnp.float16, 64, 48)
+    x, w, gs, route = _args(rng)
+    hlo = jax.jit(lambda x, w, gs: ml.expert_matmul(x, w, gs, lora=route, impl="fast")).lower(
+        x, w, gs).as_text()
+    assert "expert_matmul" in hlo
+
+
+@GPU
+@pytest.mark.parametrize("pair", [False, True], ids=["down", "gate_up"])
+def test_fast_model_shapes(pair):
+    """Qwen3-30B-A3B-shaped experts (128 experts, K = 2048, N = 768), 4096
+    routed rows, 4 adapters of rank 16: the CUDA path against jnp (GEMM within
+    bf16 error, rows without adapter bit-identical to the GEMM alone)."""
+    rng = np.random.default_rng(7)
+    E, K, N, M = 128, 2048, 768, 4096
+    sizes = np.bincount(rng.integers(0, E, M - 37), minlength=E).astype(np.int32)
+    case = make_case(rng, E=E, K=K, N=N, M=M, group_sizes=sizes, num_loras=4, pair=pair,
+                     ranks=(16,), max_rank=16)
+    base = case.run("fast", lora=False)
+    want = case.run("jnp", lora=False)
+    for b, wnt in zip(base if pair else (base,), want if pair else (want,)):
+        check_gemm_close(case, b, wnt)
+    out = case.run("fast")
+    for i, (o, b) in enumerate(zip(out if pair else (out,), base if pair else (base,))):
+        check_lora(case, o, b, case.routes[i], strict=False)
 
 
 def graph_program(seed: int, impl: str = "fast", n_layers: int = 3) -> np.ndarray:
