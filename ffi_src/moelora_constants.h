@@ -28,4 +28,14 @@ enum Variant : int64_t {
 inline constexpr const char* kGatherBgmvTarget = "moe_lora_gather_bgmv";
 inline constexpr const char* kGroupedDownTarget = "moe_lora_grouped_down";
 
+// expert_matmul (ffi_src/expert_matmul/): the grouped expert GEMM custom call,
+// registered for CUDA when the CUTLASS headers were found at build time.
+inline constexpr const char* kExpertMatmulTarget = "expert_matmul";
+// K and N must be multiples of this many elements (16-byte rows for TMA).
+inline constexpr int kExpertMatmulAlign = 8;
+// Byte alignment of each array carved out of the custom call's scratch buffer.
+inline constexpr int64_t kExpertMatmulScratchAlign = 256;
+// Weight sets one call multiplies with the same rows (gate and up).
+inline constexpr int kExpertMatmulMaxWeights = 2;
+
 }  // namespace moelora

@@ -33,7 +33,21 @@ XLA_FFI_Error* MoeLoraGroupedDownCpu(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeLoraGatherBgmvCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MoeLoraGroupedDownCuda(XLA_FFI_CallFrame* call_frame);
 #endif
+#ifdef MOELORA_WITH_EXPERT_MATMUL
+// expert_matmul: operands and attributes in ffi_src/expert_matmul/expert_matmul.h.
+XLA_FFI_Error* ExpertMatmulCuda(XLA_FFI_CallFrame* call_frame);
+#endif
 }
+
+#ifdef MOELORA_WITH_EXPERT_MATMUL
+namespace moelora {
+// Bytes of the expert_matmul scratch buffer for `num_groups` GEMM problems
+// (weight sets x experts) on a device with `sm_count` SMs.
+int64_t expert_matmul_scratch_bytes(int64_t num_groups, int64_t sm_count);
+// SMs of CUDA device `device` (0 when it cannot be queried).
+int64_t cuda_sm_count(int64_t device);
+}  // namespace moelora
+#endif
 
 #ifdef MOELORA_WITH_CUDA
 namespace moelora {

@@ -28,6 +28,9 @@ NB_MODULE(_moelora, m) {
     nb::dict cuda;
     cuda[moelora::kGatherBgmvTarget] = capsule(MoeLoraGatherBgmvCuda);
     cuda[moelora::kGroupedDownTarget] = capsule(MoeLoraGroupedDownCuda);
+#ifdef MOELORA_WITH_EXPERT_MATMUL
+    cuda[moelora::kExpertMatmulTarget] = capsule(ExpertMatmulCuda);
+#endif
     platforms["CUDA"] = cuda;
 #endif
     return platforms;
@@ -43,6 +46,21 @@ NB_MODULE(_moelora, m) {
   m.attr("VARIANT_FAST") = static_cast<int>(moelora::kVariantFast);
   m.attr("GATHER_BGMV_TARGET") = moelora::kGatherBgmvTarget;
   m.attr("GROUPED_DOWN_TARGET") = moelora::kGroupedDownTarget;
+  m.attr("EXPERT_MATMUL_TARGET") = moelora::kExpertMatmulTarget;
+  m.attr("EXPERT_MATMUL_ALIGN") = moelora::kExpertMatmulAlign;
+  m.attr("EXPERT_MATMUL_SCRATCH_ALIGN") = moelora::kExpertMatmulScratchAlign;
+  m.attr("EXPERT_MATMUL_MAX_WEIGHTS") = moelora::kExpertMatmulMaxWeights;
+#ifdef MOELORA_WITH_EXPERT_MATMUL
+  m.attr("HAS_EXPERT_MATMUL") = true;
+  m.def("expert_matmul_scratch_bytes", &moelora::expert_matmul_scratch_bytes,
+        nb::arg("num_groups"), nb::arg("sm_count"),
+        "Bytes of expert_matmul's scratch buffer for num_groups GEMM problems on a device "
+        "with sm_count SMs (pointer and shape arrays, then CUTLASS's workspace).");
+  m.def("cuda_sm_count", &moelora::cuda_sm_count, nb::arg("device"),
+        "SMs of a CUDA device (0 when it cannot be queried).");
+#else
+  m.attr("HAS_EXPERT_MATMUL") = false;
+#endif
   m.attr("XLA_FFI_API_VERSION") =
       nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
 #ifdef MOELORA_WITH_CUDA

@@ -15,6 +15,7 @@ from jax_moelora.geometry import (
     padded_rank,
 )
 from jax_moelora.ops import (
+    expert_matmul,
     moe_lora_fold,
     moe_lora_gather_bgmv,
     moe_lora_grouped_down,
@@ -74,6 +75,7 @@ __all__ = [
     "route_from_dense",
     "router_route",
     "backends",
+    "expert_matmul",
     "gather_bgmv_grids",
     "gather_row_token",
     "grouped_down_wc",

@@ -57,6 +57,12 @@ VARIANT_FAST: int = ext.VARIANT_FAST
 GATHER_BGMV_TARGET: str = ext.GATHER_BGMV_TARGET
 GROUPED_DOWN_TARGET: str = ext.GROUPED_DOWN_TARGET
 HAS_CUDA: bool = ext.HAS_CUDA
+EXPERT_MATMUL_TARGET: str = ext.EXPERT_MATMUL_TARGET
+EXPERT_MATMUL_ALIGN: int = ext.EXPERT_MATMUL_ALIGN
+EXPERT_MATMUL_SCRATCH_ALIGN: int = ext.EXPERT_MATMUL_SCRATCH_ALIGN
+EXPERT_MATMUL_MAX_WEIGHTS: int = ext.EXPERT_MATMUL_MAX_WEIGHTS
+# The CUTLASS grouped GEMM kernel was built (CUDA and the CUTLASS headers found).
+HAS_EXPERT_MATMUL: bool = ext.HAS_EXPERT_MATMUL
 
 
 @functools.cache
@@ -106,6 +112,7 @@ def backends() -> dict[str, Any]:
         "cuda_architectures": ext.CUDA_ARCHITECTURES,
         "xla_ffi_api": tuple(ext.XLA_FFI_API_VERSION),
         "MLG_M_TILE": MLG_M_TILE,
+        "expert_matmul_kernel": HAS_EXPERT_MATMUL,
         "default_backend": backend,
         "impls": impls,
     }

@@ -109,6 +109,10 @@ def _names(text: str) -> tuple[str, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` subcommand's options."""
     parser.description = __doc__.split("\n\n")[0]
+    parser.add_argument("--gemm", action="store_true",
+                        help="benchmark the grouped expert GEMM (expert_matmul, with and without "
+                             "LoRA, against lax.ragged_dot) instead of the folds; see "
+                             "jax_moelora/bench_gemm.py (projections gate_up and down)")
     parser.add_argument("--quick", action="store_true",
                         help="a subset: Qwen gate/down, rank 16, 1 and 4 adapters, tokens "
                              "1, 64, 4096 (CPU: 1, 64, 320 and fewer reps/runs)")
@@ -462,6 +466,10 @@ def list_cases(s: Settings, console: Console) -> None:
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``python -m jax_moelora bench``; 1 on any mismatch or error."""
     console = Console() if sys.stdout.isatty() else Console(width=150)
+    if getattr(args, "gemm", False):
+        from jax_moelora import bench_gemm
+
+        return bench_gemm.run(args)
     if args.merge:
         try:
             rows, meta = merge_runs(args.merge)

@@ -1,5 +1,6 @@
-"""MoE LoRA fold ops: validation, backends and custom calls."""
+"""MoE LoRA fold ops and the grouped expert GEMM: validation, backends and custom calls."""
 
+from jax_moelora.ops.expert_matmul import expert_matmul
 from jax_moelora.ops.folds import (
     GATHER_MAX_ROWS,
     IMPLS,
@@ -20,6 +21,7 @@ from jax_moelora.ops.sharding import (
 __all__ = [
     "GATHER_MAX_ROWS",
     "IMPLS",
+    "expert_matmul",
     "moe_lora_fold",
     "moe_lora_fold_data_parallel",
     "moe_lora_fold_expert_parallel",

@@ -1,0 +1,54 @@
+// expert_matmul: the grouped expert GEMM custom call (CUDA, sm90), host interface.
+//
+// Custom call "expert_matmul" (registered for CUDA only; the CPU uses
+// ragged_dot, see jax_moelora/ops/expert_matmul.py):
+//   operands: x [M, K], offsets int32 [E + 1], w0 [E, K, N], w1 [E, K, N],
+//             sorted_token_ids int32 [M], row_adapter int32 [num_tokens] (or [1]),
+//             then two routes, five arrays each (a_pool [P, R, K], b_pool [P, N, R],
+//             a_table int32 [L, E_t], b_table int32 [L, E_t], scale_table f32 [L, E_t]);
+//             an absent route is any arrays of the right dtypes (not read).
+//   results:  out0 [M, N], out1 [M, N] (or [0, N] with one weight set),
+//             scratch u8 [expert_matmul_scratch_bytes(num_weights * E, sm_count)],
+//             xa [M, R] (the fold's scratch; R the larger route rank, or 1).
+//   attrs:    num_weights (1 or 2), has_lora0, has_lora1, has_row_adapter, sm_count.
+//   offsets:  offsets[0] = 0, non-decreasing, offsets[E] <= M (traced jnp builds
+//             them from group_sizes). Row r in [offsets[e], offsets[e+1]) is
+//             round(x[r] @ w[e]); rows r >= offsets[E] are zero. Then each
+//             weight set with a route is folded by the grouped fold with
+//             x_gather = 0 (row r reads x[r], its token sorted_token_ids[r]).
+// x, w, pools and outputs share one dtype: bf16 or f16; K and N are multiples
+// of kExpertMatmulAlign.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda_common.cuh"
+
+namespace moelora {
+
+// One grouped GEMM launch: num_weights * E problems sharing x and offsets.
+struct ExpertGemmArgs {
+  const void* x;                                // [M, K]
+  const void* w[kExpertMatmulMaxWeights];       // [E, K, N] each
+  void* out[kExpertMatmulMaxWeights];           // [M, N] each
+  const int32_t* offsets;                       // [E + 1]
+  int64_t num_weights, E, M, K, N;
+  void* scratch;                                // expert_gemm_scratch_bytes<D>(...) bytes
+  int64_t scratch_bytes;
+  int sm_count;
+};
+
+// Per dtype (expert_matmul_bf16.cu, expert_matmul_f16.cu):
+//   expert_gemm_scratch_bytes_*: bytes of scratch for `num_groups` problems on
+//     `sm_count` SMs (pointer/shape/stride arrays, then CUTLASS's workspace);
+//   expert_gemm_run_*: builds the problem arrays on the device, zeroes the rows
+//     past offsets[E], and runs the CUTLASS grouped GEMM; no host
+//     synchronisation, no allocation.
+int64_t expert_gemm_scratch_bytes_bf16(int64_t num_groups, int sm_count);
+int64_t expert_gemm_scratch_bytes_f16(int64_t num_groups, int sm_count);
+cudaError_t expert_gemm_run_bf16(const ExpertGemmArgs& args, cudaStream_t stream);
+cudaError_t expert_gemm_run_f16(const ExpertGemmArgs& args, cudaStream_t stream);
+
+}  // namespace moelora

@@ -1,0 +1,160 @@
+// The CUDA FFI handler of expert_matmul (operands in expert_matmul.h): the
+// CUTLASS grouped GEMM of every weight set, then, for each weight set with a
+// route, the fast grouped fold over its output in the same handler. The fold
+// is a second pass (it reads and writes the GEMM output once more); the GEMM
+// epilogue does not compute the delta.
+#include <algorithm>
+#include <string>
+
+#include "expert_matmul.h"
+#include "fold_ffi.h"
+#include "moelora_handlers.h"
+
+namespace ffi = xla::ffi;
+
+namespace moelora {
+namespace {
+
+ffi::Error invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("expert_matmul: " + what);
+}
+
+struct RouteBuffers {
+  ffi::AnyBuffer a_pool, b_pool;
+  ffi::Buffer<ffi::S32> a_table, b_table;
+  ffi::Buffer<ffi::F32> scale_table;
+};
+
+ffi::Error ExpertMatmulCudaImpl(
+    cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> offsets, ffi::AnyBuffer w0,
+    ffi::AnyBuffer w1, ffi::Buffer<ffi::S32> sorted_token_ids, ffi::Buffer<ffi::S32> row_adapter,
+    ffi::AnyBuffer a0, ffi::AnyBuffer b0, ffi::Buffer<ffi::S32> at0, ffi::Buffer<ffi::S32> bt0,
+    ffi::Buffer<ffi::F32> st0, ffi::AnyBuffer a1, ffi::AnyBuffer b1, ffi::Buffer<ffi::S32> at1,
+    ffi::Buffer<ffi::S32> bt1, ffi::Buffer<ffi::F32> st1, ffi::Result<ffi::AnyBuffer> out0,
+    ffi::Result<ffi::AnyBuffer> out1, ffi::Result<ffi::AnyBuffer> scratch,
+    ffi::Result<ffi::AnyBuffer> xa, int64_t num_weights, int64_t has_lora0, int64_t has_lora1,
+    int64_t has_row_adapter, int64_t sm_count) {
+  const auto xd = x.dimensions(), wd = w0.dimensions();
+  if (xd.size() != 2 || wd.size() != 3) return invalid("x must be [M, K] and w [E, K, N]");
+  const int64_t M = xd[0], K = xd[1], E = wd[0], N = wd[2];
+  if (wd[1] != K) return invalid("x and w disagree on K");
+  if (num_weights < 1 || num_weights > kExpertMatmulMaxWeights) return invalid("num_weights");
+  if (K % kExpertMatmulAlign || N % kExpertMatmulAlign)
+    return invalid("K and N must be multiples of kExpertMatmulAlign");
+  if (int64_t(offsets.element_count()) != E + 1) return invalid("offsets must have E + 1 entries");
+  if (int64_t(sorted_token_ids.element_count()) != M) return invalid("sorted_token_ids length");
+  if (sm_count < 1) return invalid("sm_count");
+  const auto dt = x.element_type();
+  if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) return invalid("dtype must be bf16 or f16");
+  ffi::AnyBuffer ws[] = {w0, w1};
+  ffi::Result<ffi::AnyBuffer> outs[] = {out0, out1};
+  for (int64_t i = 0; i < num_weights; ++i) {
+    const auto d = ws[i].dimensions(), od = outs[i]->dimensions();
+    if (d.size() != 3 || d[0] != E || d[1] != K || d[2] != N || ws[i].element_type() != dt)
+      return invalid("the weight sets differ in shape or dtype");
+    if (od.size() != 2 || od[0] != M || od[1] != N || outs[i]->element_type() != dt)
+      return invalid("output shape");
+  }
+  const DType dtype = dt == ffi::DataType::BF16 ? DType::kBf16 : DType::kF16;
+  const int64_t groups = num_weights * E;
+  const int64_t need = dtype == DType::kBf16 ? expert_gemm_scratch_bytes_bf16(groups, int(sm_count))
+                                             : expert_gemm_scratch_bytes_f16(groups, int(sm_count));
+  if (int64_t(scratch->size_bytes()) < need) return invalid("scratch buffer too small");
+
+  // Routes are checked before anything is launched.
+  RouteBuffers rb[] = {{a0, b0, at0, bt0, st0}, {a1, b1, at1, bt1, st1}};
+  const bool has_lora[] = {has_lora0 != 0, has_lora1 != 0};
+  RouteView routes[kExpertMatmulMaxWeights];
+  Dims dims[kExpertMatmulMaxWeights];
+  for (int64_t i = 0; i < num_weights; ++i) {
+    if (!has_lora[i]) continue;
+    if (auto e = check_route(x, *outs[i], rb[i].a_pool, rb[i].b_pool, rb[i].a_table,
+                             rb[i].b_table, rb[i].scale_table, &dims[i], &routes[i]);
+        e.failure())
+      return e;
+    if (routes[i].n_experts > E) return invalid("a route has more experts than w");
+    const auto xad = xa->dimensions();
+    if (xad.size() != 2 || xad[0] != M || xad[1] < dims[i].R) return invalid("xa scratch shape");
+  }
+
+  ExpertGemmArgs g{x.untyped_data(),
+                   {w0.untyped_data(), num_weights > 1 ? w1.untyped_data() : nullptr},
+                   {out0->untyped_data(), num_weights > 1 ? out1->untyped_data() : nullptr},
+                   offsets.typed_data(), num_weights, E, M, K, N, scratch->untyped_data(),
+                   int64_t(scratch->size_bytes()), int(sm_count)};
+  cudaError_t err = dtype == DType::kBf16 ? expert_gemm_run_bf16(g, stream)
+                                          : expert_gemm_run_f16(g, stream);
+  for (int64_t i = 0; i < num_weights && err == cudaSuccess; ++i) {
+    if (!has_lora[i]) continue;
+    GroupedArgs f{dtype,
+                  x.untyped_data(),
+                  outs[i]->untyped_data(),
+                  xa->untyped_data(),
+                  offsets.typed_data(),
+                  sorted_token_ids.typed_data(),
+                  row_adapter.typed_data(),
+                  has_row_adapter != 0,
+                  has_row_adapter ? int64_t(row_adapter.element_count()) : 0,
+                  rb[i].a_pool.untyped_data(),
+                  rb[i].b_pool.untyped_data(),
+                  routes[i],
+                  E,
+                  M,
+                  K,
+                  N,
+                  dims[i].R,
+                  0,
+                  M,
+                  false};
+    err = launch_grouped_fast(f, stream);
+  }
+  if (err != cudaSuccess) return ffi::Error::Internal(std::string("expert_matmul: ") +
+                                                      cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+int64_t cuda_sm_count(int64_t device) {
+  int count = 0;
+  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, int(device)) != cudaSuccess)
+    return 0;
+  return count;
+}
+
+int64_t expert_matmul_scratch_bytes(int64_t num_groups, int64_t sm_count) {
+  return std::max(expert_gemm_scratch_bytes_bf16(num_groups, int(sm_count)),
+                  expert_gemm_scratch_bytes_f16(num_groups, int(sm_count)));
+}
+
+}  // namespace moelora
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertMatmulCuda, moelora::ExpertMatmulCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()              // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // offsets [E + 1]
+                                  .Arg<ffi::AnyBuffer>()              // w0 [E, K, N]
+                                  .Arg<ffi::AnyBuffer>()              // w1 [E, K, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // sorted_token_ids [M]
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // row_adapter
+                                  .Arg<ffi::AnyBuffer>()              // route 0: a_pool
+                                  .Arg<ffi::AnyBuffer>()              //          b_pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()       //          a_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()       //          b_table
+                                  .Arg<ffi::Buffer<ffi::F32>>()       //          scale_table
+                                  .Arg<ffi::AnyBuffer>()              // route 1: a_pool
+                                  .Arg<ffi::AnyBuffer>()              //          b_pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()       //          a_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()       //          b_table
+                                  .Arg<ffi::Buffer<ffi::F32>>()       //          scale_table
+                                  .Ret<ffi::AnyBuffer>()              // out0 [M, N]
+                                  .Ret<ffi::AnyBuffer>()              // out1 [M, N] or [0, N]
+                                  .Ret<ffi::AnyBuffer>()              // scratch u8
+                                  .Ret<ffi::AnyBuffer>()              // xa [M, R]
+                                  .Attr<int64_t>("num_weights")
+                                  .Attr<int64_t>("has_lora0")
+                                  .Attr<int64_t>("has_lora1")
+                                  .Attr<int64_t>("has_row_adapter")
+                                  .Attr<int64_t>("sm_count"),
+                              {ffi::Traits::kCmdBufferCompatible});

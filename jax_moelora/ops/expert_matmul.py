@@ -1,0 +1,341 @@
+"""``expert_matmul``: the grouped expert GEMM over expert-sorted rows, with the
+LoRA fold applied to its result (docs/semantics.md §5, docs/expert_matmul.md).
+
+Row ``r`` of the output belongs to expert ``e`` when ``offsets[e] <= r <
+offsets[e + 1]``, where ``offsets`` are the prefix sums of ``group_sizes``
+(negative sizes count as 0, and the sums are clipped at ``M``, so a group that
+runs past row ``M`` is cut there). Such a row is::
+
+    base[r] = round(xs[r] @ w[e])                    (fp32 accumulation)
+    out[r]  = round(base[r] + scale * round(round(xs[r] A^T) B^T))   (adapted rows)
+    out[r]  = base[r]                                                 (other rows)
+
+with ``xs[r] = x[r]`` (``x_gather=0``) or ``x[sorted_token_ids[r]]``
+(``x_gather=1``; a token outside ``[0, num_tokens)`` reads a zero row and
+folds nothing). Rows ``r >= offsets[E]`` (past the last group) are zero. The
+fold is exactly ``moe_lora_grouped_down`` on ``base`` with ``x_gather=0``
+over ``xs``: same skip rules, same roundings, and rows without an adapter are
+bit-identical to the same backend's GEMM without LoRA.
+
+Backends: ``"jnp"`` and ``"cpu"`` run ``jax.lax.ragged_dot`` and the fold
+with that impl; ``"fast"`` runs one custom call (CUTLASS grouped GEMM on sm90,
+then the fast grouped fold in the same handler) for bf16/f16 when the
+extension holds the kernel and ``K`` and ``N`` are multiples of 8, else the
+``"jnp"`` path. ``"auto"`` is ``"fast"`` on a GPU, ``"cpu"`` on the CPU.
+
+Gradients (``jax.grad`` w.r.t. ``x``, ``w`` and the LoRA pools and scales)
+come from one ``custom_vjp`` shared by every backend: the GEMM's through
+``ragged_dot``'s transposes, the fold's through the fold VJP
+(``ops/autodiff.py``), with the roundings treated as the identity.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moelora import _ext
+from jax_moelora.ops import autodiff, expert_matmul_ffi
+from jax_moelora.ops.folds import resolve_impl
+from jax_moelora.tables import FLOAT_DTYPES, MoeExpertRoute
+
+__all__ = ["expert_matmul", "expert_offsets", "uses_kernel", "EXPERT_MATMUL_IMPLS"]
+
+EXPERT_MATMUL_IMPLS = ("auto", "fast", "cpu", "jnp")
+Impl = Literal["auto", "fast", "cpu", "jnp"]
+
+_F32 = jnp.float32
+_HI = jax.lax.Precision.HIGHEST
+
+
+def expert_offsets(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """int32 ``[E + 1]`` row offsets of the groups: ``0``, then the prefix sums
+    of ``max(group_sizes, 0)`` clipped at ``rows`` (traced jnp)."""
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes, dtype=jnp.int32), rows)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+
+
+# ---- validation ------------------------------------------------------------------------------
+
+def _array(name: str, v) -> tuple[tuple[int, ...], np.dtype]:
+    shape, dtype = getattr(v, "shape", None), getattr(v, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(f"expert_matmul: {name} must be an array, got {type(v).__name__}")
+    return tuple(shape), jnp.dtype(dtype)
+
+
+def _int_vector(name: str, v) -> int:
+    shape, dt = _array(name, v)
+    if dt != jnp.int32:
+        raise TypeError(f"expert_matmul: {name} must be int32, got {dt}")
+    if len(shape) != 1:
+        raise ValueError(f"expert_matmul: {name} must be 1-D, got shape {shape}")
+    return shape[0]
+
+
+def _weights(w, dtype) -> tuple[tuple[Any, ...], bool]:
+    """``w`` as a tuple of ``[E, K, N]`` arrays and whether it is a gate/up pair."""
+    if isinstance(w, (tuple, list)):
+        if len(w) != 2:
+            raise ValueError(f"expert_matmul: w as a sequence must be (w_gate, w_up), got "
+                             f"{len(w)} arrays")
+        ws, pair = tuple(w), True
+    else:
+        shape, _ = _array("w", w)
+        if len(shape) == 4:
+            if shape[0] != 2:
+                raise ValueError(f"expert_matmul: a 4-D w must be stacked [2, E, K, N] "
+                                 f"(gate, up), got shape {shape}")
+            ws, pair = (w[0], w[1]), True
+        else:
+            ws, pair = (w,), False
+    shapes = []
+    for i, wi in enumerate(ws):
+        name = "w" if not pair else ("w_gate", "w_up")[i]
+        shape, dt = _array(name, wi)
+        if len(shape) != 3:
+            raise ValueError(f"expert_matmul: {name} must be [E, K, N], got shape {shape}")
+        if dt != dtype:
+            raise TypeError(f"expert_matmul: {name} dtype {dt} differs from x dtype {dtype}")
+        shapes.append(shape)
+    if pair and shapes[0] != shapes[1]:
+        raise ValueError(f"expert_matmul: w_gate {shapes[0]} and w_up {shapes[1]} differ in shape")
+    return ws, pair
+
+
+def _routes(lora, pair: bool, dtype, E: int, K: int, N: int) -> tuple[Any, ...]:
+    n = 2 if pair else 1
+    if lora is None:
+        return (None,) * n
+    if isinstance(lora, MoeExpertRoute):
+        if pair:
+            raise TypeError("expert_matmul: with a gate/up pair of weights, lora must be a pair "
+                            "(route_gate, route_up); either may be None")
+        routes = (lora,)
+    elif isinstance(lora, (tuple, list)):
+        if not pair:
+            raise TypeError("expert_matmul: lora is a sequence but w is one weight set; pass one "
+                            "MoeExpertRoute")
+        if len(lora) != 2:
+            raise ValueError(f"expert_matmul: lora must be (route_gate, route_up), got "
+                             f"{len(lora)} entries")
+        routes = tuple(lora)
+    else:
+        raise TypeError(f"expert_matmul: lora must be a MoeExpertRoute, a pair of them or None, "
+                        f"got {type(lora).__name__}")
+    for i, r in enumerate(routes):
+        name = "lora" if not pair else ("lora[0] (gate)", "lora[1] (up)")[i]
+        if r is None:
+            continue
+        if not isinstance(r, MoeExpertRoute):
+            raise TypeError(f"expert_matmul: {name} must be a MoeExpertRoute or None, got "
+                            f"{type(r).__name__}")
+        if r.dtype != dtype:
+            raise TypeError(f"expert_matmul: {name} pools are {r.dtype}, x is {dtype}")
+        if r.k_in != K:
+            raise ValueError(f"expert_matmul: {name} has k_in {r.k_in}, x has {K} columns")
+        if r.n_out != N:
+            raise ValueError(f"expert_matmul: {name} has n_out {r.n_out}, w has {N} columns")
+        if r.n_experts > E:
+            raise ValueError(f"expert_matmul: {name} has {r.n_experts} experts, w has {E}")
+        if r.max_rank > _ext.MAX_RANK:
+            raise ValueError(f"expert_matmul: {name} max_rank {r.max_rank} exceeds the kernels' "
+                             f"limit {_ext.MAX_RANK}")
+    return routes
+
+
+# ---- forward backends ------------------------------------------------------------------------
+
+class _Cfg(NamedTuple):
+    impl: str          # "jnp", "cpu" or "fast" (resolved)
+    has_ra: bool       # a row-adapter map is passed
+
+
+def _ragged(xs, w, offsets):
+    """``round(ragged_dot(xs, w))`` in xs's dtype, fp32 accumulation; rows past
+    ``offsets[-1]`` are zero."""
+    sizes = jnp.diff(offsets)
+    if _ext.current_platform() == "cpu":  # the CPU dot thunks lack mixed-precision kernels
+        acc = jax.lax.ragged_dot(xs.astype(_F32), w.astype(_F32), sizes, precision=_HI)
+    else:
+        acc = jax.lax.ragged_dot(xs, w, sizes, precision=_HI, preferred_element_type=_F32)
+    return acc.astype(xs.dtype)
+
+
+def _fold(impl: str, xs, base, offsets, stids, route, ra):
+    if route is None:
+        return base
+    return autodiff.grouped_down(xs, base, offsets, stids, route, ra, row_offset=0,
+                                 row_end=base.shape[0], x_gather=0, impl=impl)
+
+
+def uses_kernel(dtype, K: int, N: int) -> bool:
+    """Whether ``impl="fast"`` runs the CUTLASS kernel for these operands (else
+    it runs ``ragged_dot`` and the fast fold): built, on an sm_90 GPU, bf16 or
+    f16, ``K`` and ``N`` multiples of ``EXPERT_MATMUL_ALIGN``."""
+    return (expert_matmul_ffi.kernel_usable() and jnp.dtype(dtype) != jnp.float32
+            and K % _ext.EXPERT_MATMUL_ALIGN == 0 and N % _ext.EXPERT_MATMUL_ALIGN == 0)
+
+
+def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra):
+    ra = ra if cfg.has_ra else None
+    if cfg.impl == "fast" and uses_kernel(xs.dtype, ws[0].shape[1], ws[0].shape[2]):
+        return expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes, ra)
+    fold_impl = "cpu" if cfg.impl == "cpu" else ("fast" if cfg.impl == "fast" else "jnp")
+    return tuple(_fold(fold_impl, xs, _ragged(xs, w, offsets), offsets, stids, r, ra)
+                 for w, r in zip(ws, routes))
+
+
+@functools.cache
+def _op(cfg: _Cfg):
+    @jax.custom_vjp
+    def op(xs, ws, offsets, stids, routes, ra):
+        return _forward(cfg, xs, ws, offsets, stids, routes, ra)
+
+    def fwd(xs, ws, offsets, stids, routes, ra):
+        return op(xs, ws, offsets, stids, routes, ra), (xs, ws, offsets, stids, routes, ra)
+
+    def bwd(res, gs):
+        xs, ws, offsets, stids, routes, ra = res
+        ra_ = ra if cfg.has_ra else None
+        dxs = jnp.zeros(xs.shape, _F32)
+        dws, droutes = [], []
+        for w, r, g in zip(ws, routes, gs):
+            gemm = functools.partial(_ragged_f32, offsets=offsets)
+            _, vjp = jax.vjp(gemm, xs, w)
+            dx_g, dw = vjp(g.astype(_F32))
+            dxs = dxs + dx_g.astype(_F32)
+            dws.append(dw.astype(w.dtype))
+            if r is None:
+                droutes.append(None)
+                continue
+            # The fold's VJP (its forward is dead code here and is removed by XLA).
+            fold = lambda x_, r_: _fold("jnp", x_, jnp.zeros(g.shape, g.dtype), offsets,  # noqa: E731
+                                        stids, r_, ra_)
+            _, vjp_f = jax.vjp(fold, xs, r)
+            dx_f, dr = vjp_f(g)
+            dxs = dxs + dx_f.astype(_F32)
+            droutes.append(dr)
+        return dxs.astype(xs.dtype), tuple(dws), None, None, tuple(droutes), None
+
+    op.defvjp(fwd, bwd)
+    return op
+
+
+def _ragged_f32(xs, w, *, offsets):
+    """``ragged_dot`` in fp32 (the differentiable form of the base GEMM)."""
+    return jax.lax.ragged_dot(xs.astype(_F32), w.astype(_F32), jnp.diff(offsets), precision=_HI)
+
+
+# ---- public op ---------------------------------------------------------------------------------
+
+def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes: jax.Array, *,
+                  lora: MoeExpertRoute | Sequence[MoeExpertRoute | None] | None = None,
+                  row_adapter: jax.Array | None = None,
+                  sorted_token_ids: jax.Array | None = None, x_gather: int = 0,
+                  glu: bool = False, impl: Impl = "auto"):
+    """Grouped expert GEMM over expert-sorted rows, with the LoRA delta folded in.
+
+    Weights use ``ragged_dot``'s layout ``[E, K, N]`` (``out = x @ w[e]``): a
+    HF/PyTorch ``nn.Linear`` weight ``[N, K]`` per expert is transposed. Gate
+    and up projections have ``K = hidden``, ``N = intermediate``; the down
+    projection ``K = intermediate``, ``N = hidden``.
+
+    Args:
+      x: ``[M, K]`` (``x_gather=0``: row ``r`` is read) or ``[num_tokens, K]``
+        (``x_gather=1``: row ``sorted_token_ids[r]`` is read); bf16, f16 or f32.
+      w: ``[E, K, N]`` in x's dtype, or a gate/up pair: ``(w_gate, w_up)`` or a
+        stacked ``[2, E, K, N]``, multiplied with the same rows in one call.
+      group_sizes: int32 ``[E]``, rows per expert in sorted order (see the
+        module docstring for negative sizes and sums past ``M``).
+      lora: a ``MoeExpertRoute`` (``k_in = K``, ``n_out = N``, ``n_experts <=
+        E``), or for a pair ``(route_gate, route_up)`` (either may be None), or
+        None for the GEMM alone.
+      row_adapter: int32 ``[num_tokens]``, each token's adapter (``< 0``: base
+        model), read at the row's token; None folds every row with table row 0.
+        Ignored without ``lora``.
+      sorted_token_ids: int32 ``[M]``, the token of each sorted row. Needed
+        with ``x_gather=1``; with ``x_gather=0`` it defaults to ``arange(M)``
+        (each row its own token).
+      x_gather: 0 or 1, see ``x``.
+      glu: with a gate/up pair, return ``round(silu(gate) * up)`` (from the
+        rounded gate and up outputs, fp32 arithmetic) instead of the pair.
+      impl: ``"auto"``, ``"fast"``, ``"cpu"`` or ``"jnp"`` (module docstring).
+
+    Returns:
+      ``[M, N]`` in x's dtype; for a pair, ``(gate [M, N], up [M, N])``, or the
+      GLU ``[M, N]`` when ``glu``.
+    """
+    xshape, dtype = _array("x", x)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"expert_matmul: x dtype must be bf16, f16 or f32, got {dtype}")
+    if len(xshape) != 2:
+        raise ValueError(f"expert_matmul: x must be 2-D [rows, K], got shape {xshape}")
+    if x_gather not in (0, 1) or isinstance(x_gather, (bool, float)):
+        raise ValueError(f"expert_matmul: x_gather must be 0 or 1, got {x_gather!r}")
+    ws, pair = _weights(w, dtype)
+    E, K, N = ws[0].shape
+    if K != xshape[1]:
+        raise ValueError(f"expert_matmul: x has {xshape[1]} columns but w has K = {K}")
+    if E < 1 or N < 1:
+        raise ValueError(f"expert_matmul: w has no experts or no columns (shape {ws[0].shape})")
+    ng = _int_vector("group_sizes", group_sizes)
+    if ng != E:
+        raise ValueError(f"expert_matmul: group_sizes has {ng} entries, w has {E} experts")
+    if x_gather:
+        if sorted_token_ids is None:
+            raise ValueError("expert_matmul: x_gather=1 needs sorted_token_ids")
+        M = _int_vector("sorted_token_ids", sorted_token_ids)
+        num_tokens = xshape[0]
+    else:
+        M = num_tokens = xshape[0]
+        if sorted_token_ids is not None:
+            ns = _int_vector("sorted_token_ids", sorted_token_ids)
+            if ns != M:
+                raise ValueError(f"expert_matmul: sorted_token_ids has {ns} entries, x has {M} rows")
+    if M == 0 or num_tokens == 0:
+        raise ValueError(f"expert_matmul: no rows (x shape {xshape}, {M} sorted rows)")
+    if glu and not pair:
+        raise ValueError("expert_matmul: glu=True needs a gate/up pair of weights")
+    routes = _routes(lora, pair, dtype, E, K, N)
+    has_lora = any(r is not None for r in routes)
+    if row_adapter is not None:
+        nr = _int_vector("row_adapter", row_adapter)
+        if nr == 0:
+            raise ValueError("expert_matmul: row_adapter is empty")
+        if (x_gather or sorted_token_ids is None) and nr != num_tokens:
+            raise ValueError(f"expert_matmul: row_adapter has {nr} entries, there are "
+                             f"{num_tokens} tokens")
+    if impl not in EXPERT_MATMUL_IMPLS:
+        raise ValueError(f"expert_matmul: impl must be one of {EXPERT_MATMUL_IMPLS}, got {impl!r}")
+    impl = resolve_impl(impl)
+
+    stids = (jnp.arange(M, dtype=jnp.int32) if sorted_token_ids is None
+             else jnp.asarray(sorted_token_ids))
+    if x_gather:
+        ok = (stids >= 0) & (stids < num_tokens)
+        xs = jnp.where(ok[:, None], jnp.take(x, jnp.clip(stids, 0, num_tokens - 1), axis=0),
+                       jnp.zeros((), dtype))
+        # Tokens outside [0, num_tokens) fold nothing: a map makes the fold check them.
+        if row_adapter is None and has_lora:
+            row_adapter = jnp.zeros((num_tokens,), jnp.int32)
+    else:
+        xs = x
+    ra = row_adapter if (has_lora and row_adapter is not None) else None
+    offsets = expert_offsets(group_sizes, M)
+    routes = tuple(None if r is None else jax.tree_util.tree_map(jnp.asarray, r) for r in routes)
+    cfg = _Cfg(impl, ra is not None)
+    ra_arg = ra if ra is not None else jnp.zeros((1,), jnp.int32)
+    outs = _op(cfg)(xs, tuple(ws), offsets, stids, routes, ra_arg)
+    if not pair:
+        return outs[0]
+    if glu:
+        g, u = (o.astype(_F32) for o in outs)
+        return (jax.nn.silu(g) * u).astype(dtype)
+    return outs

@@ -1,0 +1,80 @@
+"""``jax.ffi.ffi_call`` wrapper of the ``expert_matmul`` custom call (CUDA).
+
+Inputs are validated by ``ops/expert_matmul.py``; the operand, result and
+attribute layout is documented in ``ffi_src/expert_matmul/expert_matmul.h``.
+The scratch result (pointer/shape arrays and CUTLASS's workspace) is sized
+here at trace time from the extension's ``expert_matmul_scratch_bytes``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_moelora import _ext
+from jax_moelora.tables import MoeExpertRoute
+
+__all__ = ["expert_matmul_ffi", "device_sm_count", "kernel_usable"]
+
+
+@functools.cache
+def device_sm_count() -> int:
+    """SMs of the first GPU (the persistent grid and CUTLASS's workspace)."""
+    dev = jax.devices("gpu")[0]
+    count = getattr(dev, "core_count", None) or _ext.ext.cuda_sm_count(dev.local_hardware_id)
+    if not count:
+        raise RuntimeError(f"expert_matmul: cannot read the SM count of {dev}")
+    return int(count)
+
+
+@functools.cache
+def kernel_usable() -> bool:
+    """The CUTLASS kernel was built and the GPU is Hopper (sm_90)."""
+    if not (_ext.HAS_EXPERT_MATMUL and _ext.cuda_available()):
+        return False
+    return str(getattr(jax.devices("gpu")[0], "compute_capability", "")) == "9.0"
+
+
+def _absent_route(dtype) -> tuple:
+    """Operands standing for a weight set without LoRA (never read)."""
+    return (jnp.zeros((1, 1, 1), dtype), jnp.zeros((1, 1, 1), dtype),
+            jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
+            jnp.zeros((1, 1), jnp.float32))
+
+
+def _route_operands(route: MoeExpertRoute | None, dtype) -> tuple:
+    if route is None:
+        return _absent_route(dtype)
+    return (route.a_pool, route.b_pool, route.a_table, route.b_table, route.scale_table)
+
+
+def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter):
+    """One custom call: the grouped GEMM of each weight set in ``ws`` (one or
+    two ``[E, K, N]``) over ``xs [M, K]``, each output folded with its route.
+    Returns a tuple of ``[M, N]`` outputs, one per weight set."""
+    _ext.register()
+    M, _ = xs.shape
+    E, _, N = ws[0].shape
+    nw = len(ws)
+    dt = xs.dtype
+    sm = device_sm_count()
+    scratch = int(_ext.ext.expert_matmul_scratch_bytes(nw * E, sm))
+    ranks = [r.max_rank for r in routes if r is not None]
+    out_types = (jax.ShapeDtypeStruct((M, N), dt),
+                 jax.ShapeDtypeStruct((M if nw > 1 else 0, N), dt),
+                 jax.ShapeDtypeStruct((scratch,), jnp.uint8),
+                 jax.ShapeDtypeStruct((M if ranks else 1, max(ranks, default=1)), dt))
+    ra = row_adapter if row_adapter is not None else jnp.zeros((1,), jnp.int32)
+    w1 = ws[1] if nw > 1 else ws[0]
+    r0 = _route_operands(routes[0], dt)
+    r1 = _route_operands(routes[1] if nw > 1 else None, dt)
+    call = jax.ffi.ffi_call(_ext.EXPERT_MATMUL_TARGET, out_types, vmap_method="sequential")
+    out0, out1, _scratch, _xa = call(
+        xs, offsets, ws[0], w1, stids, ra, *r0, *r1,
+        num_weights=np.int64(nw), has_lora0=np.int64(routes[0] is not None),
+        has_lora1=np.int64(nw > 1 and routes[1] is not None),
+        has_row_adapter=np.int64(row_adapter is not None), sm_count=np.int64(sm))
+    return (out0,) if nw == 1 else (out0, out1)

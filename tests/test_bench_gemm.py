@@ -1,0 +1,43 @@
+"""``bench --gemm``: the floor accounting and a tiny end-to-end run (no timed
+assertions)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from jax_moelora import bench_gemm as bg
+from jax_moelora.__main__ import main
+from jax_moelora.bench_cases import parse_model
+
+TINY = "tiny:8:2:32:16"
+
+
+def test_floor_counts_active_experts_and_both_weight_sets():
+    c = bg.GemmCase(parse_model(TINY), "gate_up", tokens=4, rank=8, adapters=2)
+    inputs = bg.make_gemm_inputs(c)
+    sizes = np.asarray(inputs["group_sizes"])
+    assert sizes.sum() == c.rows == 8 and inputs["active_experts"] == int((sizes > 0).sum())
+    f = bg.gemm_floor(c, inputs, lora=False, bandwidth=1e9, matmul_rate=1e12)
+    M, K, N, act = 8, 32, 16, inputs["active_experts"]
+    assert f["bytes"] == 2 * (M * K + 2 * (act * K * N + M * N))
+    assert f["flops"] == 2 * 2 * M * K * N
+    assert f["floor"] == max(f["bytes"] / 1e9, f["flops"] / 1e12)
+    fl = bg.gemm_floor(c, inputs, lora=True, bandwidth=1e9, matmul_rate=1e12)
+    assert fl["bytes"] == f["bytes"] + 2 * 2 * inputs["active_cells"] * 8 * (K + N)
+
+
+def test_bench_gemm_tiny_run(tmp_path):
+    rc = main(["bench", "--gemm", "--models", TINY, "--projs", "gate_up", "--tokens", "8",
+               "--reps", "2", "--runs", "1", "--warmup", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "gemm.json").read_text())
+    rows = data["rows"]
+    assert [r["method"] for r in rows] == list(bg.GEMM_METHODS)
+    for r in rows:
+        assert r["error"] is None and r["time_us"] > 0 and r["floor_us"] > 0
+        if r["method"] != "ragged_dot":
+            assert r["check"] == "ok", r
+    assert data["meta"]["bandwidth"] > 0 and data["meta"]["matmul_flops"] > 0
+    assert "| tiny | gate_up | 8 | gemm |" in (tmp_path / "gemm.md").read_text()
