@@ -44,12 +44,16 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
-                           TimeElapsedColumn)
-from rich.table import Table
 
 from jax_moelora import _ext
+from jax_moelora._optional import needs_extra
+
+with needs_extra("bench", "jax_moelora.bench"):
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn,
+                               TextColumn, TimeElapsedColumn)
+    from rich.table import Table
+
 from jax_moelora import bench_methods as bm
 from jax_moelora.bench_cases import (DECODE_TOKENS, MODELS, PREFILL_TOKENS, PROJECTIONS, Case,
                                      case_grid, floor_bytes, make_inputs, make_routing,

@@ -32,7 +32,11 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+
+from jax_moelora._optional import needs_extra
+
+with needs_extra("nnx", "jax_moelora.nnx"):
+    from flax import nnx
 
 from jax_moelora.geometry import padded_rank
 from jax_moelora.ops.folds import (

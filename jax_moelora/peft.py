@@ -70,6 +70,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from jax_moelora._optional import needs_extra
 from jax_moelora.geometry import padded_rank
 
 __all__ = [
@@ -317,7 +318,8 @@ _FLOAT_KINDS = ("float16", "bfloat16", "float32", "float64")
 
 
 def _read_tensors(path: Path) -> tuple[dict[str, np.ndarray], np.dtype | None]:
-    from safetensors import SafetensorError, safe_open
+    with needs_extra("peft", "reading PEFT adapters"):
+        from safetensors import SafetensorError, safe_open
 
     if not path.is_file():
         raise AdapterFormatError(f"missing weights: {path} does not exist")
@@ -818,7 +820,8 @@ def save_peft_adapter(path: str | os.PathLike,
         "inference_mode": True,
     }
     config.update(config_overrides or {})
-    from safetensors.numpy import save_file
+    with needs_extra("peft", "writing PEFT adapters"):
+        from safetensors.numpy import save_file
 
     save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
     (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2))
