@@ -446,8 +446,8 @@ def test_cuda_graphs_on_and_off_give_the_same_bits(tmp_path, impl):
                          ids=["L1-K4096", "L3-K2048", "L3-K4096"])
 @pytest.mark.parametrize("impl", [pytest.param("fast", marks=GPU)])
 def test_fast_grouped_kernels_match_reference(rng, impl, num_loras, k_in):
-    """Both fast grouped kernels: the cells kernel, and the v2b kernel that
-    tiles shared by several adapters take at K >= 4096 (moe_lora_fast.cu)."""
+    """Both fast grouped kernels: the cells kernel, and the tensor-core kernel
+    that routes with several table rows take at K >= 4096 (docs/design.md)."""
     case = make_grouped_case(rng, num_tokens=512, rows_per_expert=150, num_loras=num_loras,
                              k_in=k_in, n_out=320, ranks=(8, 16), max_rank=16, n_experts=6,
                              x_gather=1)
