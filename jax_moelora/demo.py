@@ -8,7 +8,7 @@ key layouts) into a temporary folder, and loaded back into one adapter pool.
 A mixed batch of streams (base model + the three adapters) runs a prefill
 and ``--steps`` greedy decode steps through one jitted step function; every
 layer's output is checked against the pure-JAX folds (``impl="jnp"``) on the
-same layer input, within three times the per-fold tolerance of SPEC section 6
+same layer input, within three times the per-fold tolerance of docs/semantics.md §6
 (three folds chain in a layer), and the base-model streams must keep the bits
 the same step gives with every stream on the base model.
 
@@ -51,7 +51,7 @@ SIZES = {
     "full": dict(hidden=2048, inter=768, experts=128, top_k=8, vocab=4096),
 }
 
-#: SPEC section 6: relative error of the LoRA delta by norm, per dtype.
+#: docs/semantics.md §6: relative error of the LoRA delta by norm, per dtype.
 TOLERANCES = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5}
 #: A layer's output goes through three chained folds (gate, up, then down on
 #: their product), so the demo allows each layer this many per-fold tolerances.

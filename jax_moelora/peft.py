@@ -4,7 +4,7 @@
 and ``adapter_model.safetensors``) with the ``safetensors`` library and keeps
 only what an MoE layer folds: per layer, the LoRA pairs of the router and of
 every expert's gate, up and down projections, as :class:`ProjectionLoRA`
-(zero-padded to a rank that is a multiple of 8, SPEC section 4, with the
+(zero-padded to a rank that is a multiple of 8, docs/semantics.md §4, with the
 PEFT scale ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with
 ``use_rslora``). ``save_peft_adapter`` writes the same files, in any layout
 below; the demo and the tests use it to create real PEFT adapters.

@@ -1,4 +1,4 @@
-"""The two MoE LoRA folds and ``moe_lora_fold`` (SPEC §5).
+"""The two MoE LoRA folds and ``moe_lora_fold`` (docs/semantics.md §5).
 
 Each function validates shapes and dtypes at trace time (``ValueError`` /
 ``TypeError`` before any launch), then runs one backend:
