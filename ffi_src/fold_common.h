@@ -1,4 +1,4 @@
-// Skip rules shared by every C++ and CUDA fold (SPEC section 5). One
+// Skip rules shared by every C++ and CUDA fold (docs/semantics.md §5). One
 // definition, compiled for host and device, so every backend skips the
 // same rows.
 #pragma once

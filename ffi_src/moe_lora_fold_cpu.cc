@@ -1,4 +1,4 @@
-// C++ XLA FFI handlers of both folds for platform "cpu" (SPEC section 5).
+// C++ XLA FFI handlers of both folds for platform "cpu" (docs/semantics.md §5).
 // Same skip rules (fold_common.h) and roundings as the CUDA kernels: xa and
 // delta accumulate in fp32 and round to the activation dtype, then
 // out = round(float(out) + scale * float(delta)). No allocation: xa lives in
@@ -71,7 +71,7 @@ struct F32 {
 // ---- one folded row ------------------------------------------------------
 
 // fp32 dot product of two length-n rows with 8 independent partial sums (the
-// summation order differs from a serial loop; SPEC section 6 allows that).
+// summation order differs from a serial loop; docs/semantics.md §6 allows that).
 template <class C>
 inline float dot(const typename C::T* a, const typename C::T* b, int64_t n) {
   constexpr int kLanes = 8;

@@ -1,6 +1,6 @@
 // moe_lora_gather_bgmv for CUDA: the seed-design kernels and the FFI handler.
 //
-// Seed geometry (SPEC section 4): per fold two kernels of 256-thread blocks,
+// Seed geometry (docs/semantics.md §4): per fold two kernels of 256-thread blocks,
 // each block computing 4 outputs of one flat row, 64 threads per output.
 //   shrink: grid (ceil(R / 4), n_slots, 1), xa[row, j] = round(x[x_row] . A[j])
 //   expand: grid (ceil(N / 4), n_slots, 1), out[row, n] = round(out + s * round(xa . B[n]))

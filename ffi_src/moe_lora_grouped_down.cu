@@ -1,6 +1,6 @@
 // moe_lora_grouped_down for CUDA: the seed-design kernels and the FFI handler.
 //
-// Seed geometry (SPEC section 4): per fold two kernels of 256-thread blocks
+// Seed geometry (docs/semantics.md §4): per fold two kernels of 256-thread blocks
 // over the grid (ceil(out / 4), grouped_down_wc(row_offset, row_end), E_t):
 // block (x, y, z) computes 4 outputs (64 threads each) for every row of
 // window tile y (MLG_M_TILE rows) that expert z owns.

@@ -7,7 +7,7 @@
 
 namespace moelora {
 
-// Rows per grouped-fold tile of the seed-design kernels (SPEC section 4).
+// Rows per grouped-fold tile of the seed-design kernels (docs/semantics.md §4).
 inline constexpr int kMlgMTile = 64;
 // Seed gather geometry: 256-thread blocks computing 4 outputs, 64 threads each.
 inline constexpr int kGbgmvThreads = 256;

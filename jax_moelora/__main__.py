@@ -1,32 +1,53 @@
-"""Command line: ``python -m jax_moelora {demo,bench,info}``."""
+"""Command line: ``python -m jax_moelora {demo,bench,info}``.
+
+``info`` needs only the core install; ``demo`` needs the ``nnx``, ``peft`` and
+``bench`` extras, ``bench`` the ``bench`` extra (``pip install 'jax_moelora[all]'``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+from types import ModuleType
+
+
+def _command_module(name: str) -> tuple[ModuleType | None, ImportError | None]:
+    """``jax_moelora.<name>``, or the ImportError (naming the extra) that importing it raised."""
+    try:
+        return importlib.import_module(f"jax_moelora.{name}"), None
+    except ImportError as err:
+        return None, err
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jax_moelora", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="what was built and registered")
-    demo = sub.add_parser("demo", help="end-to-end demo (CPU when there is no GPU)")
-    bench = sub.add_parser("bench", help="benchmark of SPEC section 7")
-    from jax_moelora import bench as bench_mod
-    from jax_moelora import demo as demo_mod
-
-    demo_mod.add_arguments(demo)
-    bench_mod.add_arguments(bench)
+    sub.add_parser("info", help="what was built, whether a GPU is visible, which backends run now")
+    commands = {
+        "demo": "end-to-end demo (on the GPU when one is visible, else on the CPU)",
+        "bench": "the benchmark of docs/semantics.md §7",
+    }
+    modules: dict[str, tuple[ModuleType | None, ImportError | None]] = {}
+    for name, help_text in commands.items():
+        p = sub.add_parser(name, help=help_text)
+        modules[name] = _command_module(name)
+        module, _ = modules[name]
+        if module is None:
+            p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        else:
+            module.add_arguments(p)
     args = parser.parse_args(argv)
     if args.command == "info":
         from jax_moelora import backends
 
         print(json.dumps(backends(), indent=2))
         return 0
-    if args.command == "demo":
-        return demo_mod.run(args)
-    return bench_mod.run(args)
+    module, err = modules[args.command]
+    if module is None:
+        parser.exit(2, f"python -m jax_moelora {args.command}: {err}\n")
+    return module.run(args)
 
 
 if __name__ == "__main__":

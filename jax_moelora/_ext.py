@@ -86,33 +86,58 @@ def current_platform() -> str:
     return jax.default_backend()
 
 
+def gpu_devices() -> list[str]:
+    """The GPUs JAX sees (``[]`` when its GPU backend is absent or finds none)."""
+    try:
+        return [str(d) for d in jax.devices("gpu")]
+    except RuntimeError:
+        return []
+
+
 def cuda_available() -> bool:
     """True when the CUDA kernels were built and computations go to a GPU."""
     return HAS_CUDA and current_platform() == "gpu"
 
 
 def backends() -> dict[str, Any]:
-    """What was built and registered.
+    """What was built, what JAX sees, and which fold backends can run now.
 
-    Returns a dict with ``platforms`` (the FFI platforms with handlers),
-    ``cuda_kernels`` (bool), ``cuda_architectures``, ``xla_ffi_api``
-    (the FFI API version the extension was built against), ``MLG_M_TILE``,
-    ``default_backend`` (JAX's), and ``impls`` (the fold backends usable now).
+    Returns a dict with:
+
+    - ``gpu_visible`` (bool) and ``gpus`` (JAX's GPU devices);
+    - ``default_backend``: where computations go now (JAX's default backend,
+      or the ``jax.default_device`` context's platform);
+    - ``ffi_platforms_built``: the platforms the extension holds handlers for
+      (``"cpu"``, and ``"CUDA"`` when the kernels were compiled);
+    - ``ffi_platforms_usable``: those that can run on this machine now
+      (``"CUDA"`` only with a visible GPU);
+    - ``cuda_kernels_built``, ``cuda_kernels_usable`` (bool), ``cuda_architectures``;
+    - ``impls``: the fold backends that run on the default backend now, and
+      ``auto``: the one ``impl="auto"`` runs there;
+    - ``xla_ffi_api`` (the FFI API version the extension was built against)
+      and ``MLG_M_TILE``.
     """
     platforms = register()
-    impls = ["jnp"]
+    gpus = gpu_devices()
     backend = current_platform()
+    usable = [p for p in platforms if p == "cpu" or (p == "CUDA" and gpus)]
+    impls = ["jnp"]
     if backend == "cpu":
         impls.insert(0, "cpu")
     if cuda_available():
         impls[:0] = ["fast", "seed"]
     return {
-        "platforms": list(platforms),
-        "cuda_kernels": HAS_CUDA,
+        "gpu_visible": bool(gpus),
+        "gpus": gpus,
+        "default_backend": backend,
+        "ffi_platforms_built": list(platforms),
+        "ffi_platforms_usable": usable,
+        "cuda_kernels_built": HAS_CUDA,
+        "cuda_kernels_usable": HAS_CUDA and bool(gpus),
         "cuda_architectures": ext.CUDA_ARCHITECTURES,
+        "impls": impls,
+        "auto": impls[0],
         "xla_ffi_api": tuple(ext.XLA_FFI_API_VERSION),
         "MLG_M_TILE": MLG_M_TILE,
         "expert_matmul_kernel": HAS_EXPERT_MATMUL,
-        "default_backend": backend,
-        "impls": impls,
     }

@@ -1,4 +1,4 @@
-"""``python -m jax_moelora bench``: the benchmark of SPEC §7.
+"""``python -m jax_moelora bench``: the benchmark of docs/semantics.md §7.
 
 For each case (model, projection, tokens, rank, adapters; see
 ``bench_cases``) and method (``fast``, ``seed``, ``cpu``, ``jnp`` and the
@@ -10,7 +10,7 @@ For each case (model, projection, tokens, rank, adapters; see
    ``--warmup`` untimed ones, divided by ``--reps``;
 2. checks it against the ``jnp`` fold on the same inputs: the first,
    untimed run (``reps`` folds of ``base_out``) is compared with the same
-   ``reps`` ``jnp`` folds (delta error by norm within SPEC §6's tolerance,
+   ``reps`` ``jnp`` folds (delta error by norm within docs/semantics.md §6's tolerance,
    rows the reference leaves alone bit-identical, finite); a mismatch is
    reported loudly and makes the exit status 1;
 3. compares the time with the byte floor: the bytes a perfect fold moves
@@ -44,12 +44,16 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
-                           TimeElapsedColumn)
-from rich.table import Table
 
 from jax_moelora import _ext
+from jax_moelora._optional import needs_extra
+
+with needs_extra("bench", "jax_moelora.bench"):
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn,
+                               TextColumn, TimeElapsedColumn)
+    from rich.table import Table
+
 from jax_moelora import bench_methods as bm
 from jax_moelora.bench_cases import (DECODE_TOKENS, MODELS, PREFILL_TOKENS, PROJECTIONS, Case,
                                      case_grid, floor_bytes, make_inputs, make_routing,
@@ -58,8 +62,8 @@ from jax_moelora.bench_cases import (DECODE_TOKENS, MODELS, PREFILL_TOKENS, PROJ
 __all__ = ["add_arguments", "run", "run_bench", "merge_runs", "Settings", "PROTOCOL_REPS",
            "PROTOCOL_RUNS", "ROW_FIELDS"]
 
-PROTOCOL_REPS = 32      # SPEC §7: at least 32 folds per program
-PROTOCOL_RUNS = 20      # SPEC §7: median of at least 20 runs
+PROTOCOL_REPS = 32      # docs/semantics.md §7: at least 32 folds per program
+PROTOCOL_RUNS = 20      # docs/semantics.md §7: median of at least 20 runs
 
 # --quick: a subset. On the CPU (no GPU) the prefill point and the repetition
 # counts are scaled down so it finishes in a minute or two on two cores.
@@ -364,8 +368,8 @@ def run_bench(s: Settings, console: Console | None = None) -> tuple[list[dict], 
             console.print("[yellow]--ragged-pallas: this JAX has no Pallas ragged_dot lowering; "
                           "using the default one[/]")
     if s.reps < PROTOCOL_REPS or s.runs < PROTOCOL_RUNS:
-        console.print(f"[yellow]note:[/] {s.reps} reps x {s.runs} runs is below the SPEC §7 "
-                      f"protocol ({PROTOCOL_REPS} x {PROTOCOL_RUNS}): a smoke run")
+        console.print(f"[yellow]note:[/] {s.reps} reps x {s.runs} runs is below the protocol of "
+                      f"docs/semantics.md §7 ({PROTOCOL_REPS} x {PROTOCOL_RUNS}): a smoke run")
     rows: list[dict] = []
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                MofNCompleteColumn(), TimeElapsedColumn())
@@ -387,7 +391,7 @@ def run_bench(s: Settings, console: Console | None = None) -> tuple[list[dict], 
 def merge_runs(paths: Sequence[Path]) -> tuple[list[dict], dict]:
     """The rows of several ``bench.json`` files and a meta that lists the runs.
 
-    Rows keep their own ``bandwidth`` and ``pct_floor`` (SPEC §7: the floor
+    Rows keep their own ``bandwidth`` and ``pct_floor`` (docs/semantics.md §7: the floor
     of a row comes from the bandwidth measured in its run). A later file's
     row replaces an earlier one of the same case and method; the order of
     first appearance is kept.

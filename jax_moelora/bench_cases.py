@@ -1,4 +1,4 @@
-"""Cases of the SPEC §7 benchmark: models, the case grid, seeded inputs and
+"""Cases of the docs/semantics.md §7 benchmark: models, the case grid, seeded inputs and
 the HBM byte floor.
 
 A case is one (model, projection, tokens, rank, adapters) point. Its inputs
@@ -144,7 +144,7 @@ def make_routing(case: Case) -> tuple[np.ndarray, np.ndarray]:
 def floor_bytes(topk_ids: np.ndarray, row_adapter: np.ndarray | None, *, rank: int, k_in: int,
                 n_out: int, x_gather: int, itemsize: int = 2,
                 adapted: np.ndarray | None = None) -> dict[str, int]:
-    """The bytes a perfect fold moves (SPEC §7), counted from the routing.
+    """The bytes a perfect fold moves (docs/semantics.md §7), counted from the routing.
 
     ``adapted`` (bool ``[L, E]``, default all True) says which (table row,
     expert) cells hold an adapter; rows of other cells, and rows whose token

@@ -1,4 +1,4 @@
-"""The folds the benchmark times (SPEC §7), the timing protocol, the copy
+"""The folds the benchmark times (docs/semantics.md §7), the timing protocol, the copy
 bandwidth and the correctness check.
 
 Methods: the library backends ``fast``, ``seed``, ``cpu`` and ``jnp``
@@ -19,7 +19,7 @@ prefill ones), and two pure-JAX baselines:
   with larger chunks).
 
 Every method has the signature ``fold(base_out, args) -> base_out`` and the
-SPEC §5 roundings and skip rules.
+docs/semantics.md §5 roundings and skip rules.
 
 Any method name with the suffix ``@cold`` (``fast@cold``) times the same fold
 with a cold L2: the program rotates through copies of the route (pools and
@@ -55,7 +55,7 @@ CUSTOM_CALL_METHODS = ("fast", "seed", "cpu")
 BASELINES = ("ragged_dot", "einsum")
 ALL_METHODS = LIBRARY_METHODS + BASELINES
 
-# Relative error by norm of the delta (SPEC §6, "any backend").
+# Relative error by norm of the delta (docs/semantics.md §6, "any backend").
 TOLERANCE = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 2e-3,
              jnp.dtype(jnp.float32): 1e-5}
 
@@ -359,7 +359,7 @@ def compare(out: jax.Array, ref: jax.Array, base: jax.Array) -> dict:
     """Compare ``out`` with the reference ``ref``, both folded from ``base``.
 
     Returns ``{"ok", "err", "finite", "kept"}``: ``err`` is the relative
-    error of the delta ``out - base`` by norm; ``ok`` needs it within SPEC
+    error of the delta ``out - base`` by norm; ``ok`` needs it within docs/semantics.md
     §6's tolerance for the dtype, a finite output, and every row the
     reference left alone bit-identical (``kept``).
     """

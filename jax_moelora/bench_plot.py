@@ -6,10 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-import matplotlib
+from jax_moelora._optional import needs_extra
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+with needs_extra("bench", "jax_moelora.bench_plot"):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
 __all__ = ["plot_rows"]
 

@@ -8,7 +8,7 @@ target_parameters key layouts) into a temporary folder, and loaded back into one
 A mixed batch of streams (base model + the three adapters) runs a prefill
 and ``--steps`` greedy decode steps through one jitted step function; every
 layer's output is checked against the pure-JAX folds (``impl="jnp"``) on the
-same layer input, within three times the per-fold tolerance of SPEC section 6
+same layer input, within three times the per-fold tolerance of docs/semantics.md §6
 (three folds chain in a layer), and the base-model streams must keep the bits
 the same step gives with every stream on the base model.
 
@@ -33,9 +33,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jax_moelora import _ext
+from jax_moelora._optional import needs_extra
+
+with needs_extra("nnx", "the demo"):
+    from flax import nnx
 from jax_moelora.nnx import AdapterPool, MoEBlock
 from jax_moelora.ops.folds import IMPLS, resolve_impl
 from jax_moelora.peft import load_peft_adapter, save_peft_adapter
@@ -48,7 +51,7 @@ SIZES = {
     "full": dict(hidden=2048, inter=768, experts=128, top_k=8, vocab=4096),
 }
 
-#: SPEC section 6: relative error of the LoRA delta by norm, per dtype.
+#: docs/semantics.md §6: relative error of the LoRA delta by norm, per dtype.
 TOLERANCES = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5}
 #: A layer's output goes through three chained folds (gate, up, then down on
 #: their product), so the demo allows each layer this many per-fold tolerances.
@@ -145,7 +148,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _console():
-    from rich.console import Console
+    with needs_extra("bench", "the demo's output"):
+        from rich.console import Console
 
     return Console(highlight=False)
 
@@ -159,6 +163,17 @@ def _dtype_name(args) -> str:
 def _device() -> str:
     d = jax.devices()[0]
     return f"{d.platform}:{getattr(d, 'device_kind', d.platform)}"
+
+
+def _cuda_kernels() -> str:
+    """Whether the CUDA kernels can run here now, and why not."""
+    if _ext.cuda_available():
+        return "True"
+    if not _ext.HAS_CUDA:
+        return "False (built without CUDA)"
+    if not _ext.gpu_devices():
+        return "False (built, but no GPU visible)"
+    return "False (built, but computations go to the CPU)"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -403,7 +418,7 @@ def _run_demo(args, impl: str, console) -> int:
     table.add_column("item")
     table.add_column("value")
     table.add_row("backend", f"{jax.default_backend()} ({_device()}), "
-                             f"cuda kernels: {_ext.HAS_CUDA}")
+                             f"cuda kernels: {_cuda_kernels()}")
     table.add_row("impl used", f"{impl} (requested {args.impl}); expert path "
                                f"{args.expert_path}")
     table.add_row("model", f"{cfg.layers} layers, E {cfg.experts}, top_k {cfg.top_k}, hidden "

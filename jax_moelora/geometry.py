@@ -1,4 +1,4 @@
-"""Launch geometry of the seed-design kernels (SPEC section 4).
+"""Launch geometry of the seed-design kernels (docs/semantics.md §4).
 
 These functions describe the grids the ``impl="seed"`` CUDA kernels launch
 with; they need no GPU, so tests check the window and grid arithmetic on any

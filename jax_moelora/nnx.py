@@ -15,9 +15,9 @@
 - :class:`AdapterPool`: a name -> slot registry over the ``MoELoRA`` of a
   model's layers: load PEFT adapters, replace or unload them.
 
-Train LoRA weights with ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``: the
-pure-JAX folds (``impl="jnp"``) are differentiable, and so are the custom
-calls wherever a VJP is registered for them. The tables are
+Train LoRA weights with ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``: every
+fold backend is differentiable (a custom VJP whose backward is traced ``jnp``,
+``ops/autodiff.py``). The tables are
 :class:`AdapterTable` variables, outside ``nnx.Param``, so no filter on
 parameters ever selects them.
 """
@@ -32,7 +32,11 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+
+from jax_moelora._optional import needs_extra
+
+with needs_extra("nnx", "jax_moelora.nnx"):
+    from flax import nnx
 
 from jax_moelora.geometry import padded_rank
 from jax_moelora.ops.folds import (
@@ -337,7 +341,7 @@ class MoEBlock(nnx.Module):
       dtype: activation and expert weight dtype.
       router_dtype: the router's dtype (its weight, logits, LoRA pools).
       impl: fold backend (``"auto"``, ``"fast"``, ``"seed"``, ``"cpu"``,
-        ``"jnp"``; ``"jnp"`` is differentiable).
+        ``"jnp"``; every one is differentiable).
       expert_path: base expert matmuls: ``"ragged"`` (``jax.lax.ragged_dot``
         over rows sorted by expert), ``"dense"`` (every expert on every token,
         then the chosen rows: cheap for decode-sized batches), or ``"auto"``

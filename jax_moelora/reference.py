@@ -1,4 +1,4 @@
-"""Float64 NumPy reference of the two folds (SPEC §5, §6).
+"""Float64 NumPy reference of the two folds (docs/semantics.md §5, §6).
 
 The arithmetic is float64 with the three roundings of the spec applied in the
 activation dtype: ``xa``, ``delta``, and ``out = base + scale * delta``. Every

@@ -1,5 +1,5 @@
 """MoE LoRA routing: the per-request fold decision and the per-token adapter
-maps the fold kernels read (SPEC §2).
+maps the fold kernels read (docs/semantics.md §2).
 
 A row-adapter map is an int32 array with one value per token: ``< 0`` means
 "no fold on this token" (the base model); a value ``l >= 0`` selects table row

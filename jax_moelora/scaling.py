@@ -7,7 +7,7 @@ GPU). For each case it
 1. checks the 2-device sharded fold against the single-device fold of the
    same global inputs (forward: bit-identical; training gradients: relative
    error), and
-2. times, SPEC §7 style (the fold run ``--reps`` times back to back inside one
+2. times, docs/semantics.md §7 style (the fold run ``--reps`` times back to back inside one
    jitted program, median of ``--runs`` runs after warm-up), the 2-device
    program on 2x the total work against the single-device program on 1x, so
    the per-device work is fixed. ``ratio = (2x work / t2) / (1x work / t1)``:

@@ -1,4 +1,4 @@
-"""Per-expert adapter tables and the device route of one projection (SPEC §3).
+"""Per-expert adapter tables and the device route of one projection (docs/semantics.md §3).
 
 ``MoeExpertRoute`` holds one projection's (gate, up, down or router) LoRA
 pools and the tables that map ``(table row l, expert id e)`` to pool slots:

@@ -1,4 +1,4 @@
-"""Random fold cases and the SPEC §6 checks, shared by the fold tests.
+"""Random fold cases and the docs/semantics.md §6 checks, shared by the fold tests.
 
 A case is a random route (``L`` adapters, mixed ranks padded with zeros,
 unadapted experts, spare pool slots) plus random activations and ids that
@@ -37,7 +37,7 @@ from jax_moelora.reference import gather_bgmv_ref, grouped_down_ref
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 DTYPE_IDS = ("bf16", "f16", "f32")
-# SPEC §6: relative error of the delta out - base, by norm, for any backend.
+# docs/semantics.md §6: relative error of the delta out - base, by norm, for any backend.
 DELTA_RTOL = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 2e-3,
               jnp.dtype(jnp.float32): 1e-5}
 
@@ -60,7 +60,7 @@ def concrete_impl(impl: str) -> str:
 
 
 def is_seed_design(impl: str) -> bool:
-    """Backends held to the ulp criterion of SPEC §6 (seed kernels, CPU handlers)."""
+    """Backends held to the ulp criterion of docs/semantics.md §6 (seed kernels, CPU handlers)."""
     return concrete_impl(impl) in ("cpu", "seed")
 
 
@@ -133,7 +133,7 @@ def make_route(rng: np.random.Generator, *, dtype=jnp.bfloat16, num_loras: int =
 
 
 def route_folds(route: MoeExpertRoute, adapter, expert) -> np.ndarray:
-    """SPEC §5 skip rule, restated independently of the library: True where a
+    """docs/semantics.md §5 skip rule, restated independently of the library: True where a
     row with this row-adapter value and expert id folds."""
     at, bt = np.asarray(route.a_table), np.asarray(route.b_table)
     L, E = at.shape
@@ -191,7 +191,7 @@ def _finish(rng, case: "FoldCase", x_rows_read: np.ndarray, poison: bool) -> "Fo
     """Draw ``base_out`` of the folded rows with the sign of the reference
     delta and magnitudes in ``[0.5, 1.5]``, then poison.
 
-    Same signs keep ``|out| >= |scale * delta|``: the ulp criterion of SPEC §6
+    Same signs keep ``|out| >= |scale * delta|``: the ulp criterion of docs/semantics.md §6
     then measures the fold, not cancellation (a 1-ulp difference of
     ``delta``, which fp32 summation order may cause, would be many ulp of a
     near-zero ``out``).
@@ -227,7 +227,7 @@ def _poison(rng, base_out: np.ndarray, x: np.ndarray, fold_rows: np.ndarray,
 @dataclasses.dataclass
 class FoldCase:
     """One call of a fold: NumPy operands, static keywords, the rows that
-    must fold (by the SPEC rule) and the reference."""
+    must fold (by the rule of docs/semantics.md §5) and the reference."""
 
     op: str                       # "gather", "grouped" or "fold" (moe_lora_fold)
     x: np.ndarray
@@ -420,7 +420,7 @@ def ulp_distance(a, b) -> np.ndarray:
 
 
 def assert_ulp_close(out, want, what: str = "output") -> None:
-    """SPEC §6 for the seed kernels and CPU handlers in bf16/f16: every value
+    """docs/semantics.md §6 for the seed kernels and CPU handlers in bf16/f16: every value
     within 2 ulp, at least 99 % within 1 ulp."""
     d = ulp_distance(out, want)
     assert d.max(initial=0) <= 2, (
@@ -437,7 +437,7 @@ def delta_rel_error(out, ref, base) -> float:
 
 def check_fold(case: FoldCase, out, *, strict: bool, ref: np.ndarray | None = None,
                base: np.ndarray | None = None, fold_rows: np.ndarray | None = None) -> None:
-    """Every SPEC §6 check of one fold result against the reference.
+    """Every docs/semantics.md §6 check of one fold result against the reference.
 
     - skipped rows are bit-identical to ``base_out`` (NaN and -0.0 included);
     - every row that must fold was written (differs from ``base_out``);

@@ -8,7 +8,7 @@ first).
 Routes are drawn with ``L`` table rows over ``E`` experts: most cells adapted
 (slots ``1 .. P-1``), a quarter 0 (not adapted), one ``a`` cell pointing
 outside the pool. Ids and row-adapter values include out-of-range ones, so
-every skip rule of SPEC §5 is exercised.
+every skip rule of docs/semantics.md §5 is exercised.
 """
 
 from __future__ import annotations

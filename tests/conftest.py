@@ -1,3 +1,5 @@
+import collections
+
 import jax
 import pytest
 
@@ -21,3 +23,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per skip reason with its count (pytest's own -rs lists every
+    skipping test location)."""
+    reasons: collections.Counter[str] = collections.Counter()
+    for rep in terminalreporter.stats.get("skipped", []):
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    if reasons:
+        terminalreporter.section("skip reasons")
+        for reason, n in reasons.most_common():
+            terminalreporter.write_line(f"{n:5d} skipped: {reason}")

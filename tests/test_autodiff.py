@@ -1,4 +1,4 @@
-"""``jax.grad`` through the folds (SPEC §5 + ``ops/autodiff.py``).
+"""``jax.grad`` through the folds (docs/semantics.md §5 + ``ops/autodiff.py``).
 
 The contract: every ``impl`` is differentiable w.r.t. ``x``, ``base_out``,
 ``a_pool``, ``b_pool`` and ``scale_table``; integer operands get no cotangent;

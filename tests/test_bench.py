@@ -1,4 +1,4 @@
-"""The benchmark of SPEC §7: byte-floor accounting, the case grid, the
+"""The benchmark of docs/semantics.md §7: byte-floor accounting, the case grid, the
 baselines' semantics, and a tiny end-to-end run (no timed assertions)."""
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def test_wrong_method_reported(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("method", ["einsum", "ragged_dot", "jnp"])
 def test_loop_keeps_the_fold_inside(method):
-    """No dot of the fold is hoisted out of the timed loop (SPEC §7)."""
+    """No dot of the fold is hoisted out of the timed loop (docs/semantics.md §7)."""
     case = bc.Case(bc.parse_model(TINY), "gate", 6, 8, 2)
     inputs = bc.make_inputs(case)
     loop = bm.make_loop(bm.make_fold(method, case), 4, unroll=2)

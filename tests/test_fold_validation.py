@@ -1,4 +1,4 @@
-"""Bad input to the folds gets a clear Python error at trace time (issue 3).
+"""Bad input to the folds gets a clear Python error at trace time.
 
 Each case starts from a valid call and breaks one thing; the error's type
 and message must name what is wrong. (The table packers and route

@@ -1,8 +1,8 @@
-"""The two folds and ``moe_lora_fold`` against the float64 reference (SPEC §5, §6).
+"""The two folds and ``moe_lora_fold`` against the float64 reference (docs/semantics.md §5, §6).
 
 Every backend is run on the same random cases (``_fold_cases``): rows that
 must fold next to every kind of row that must be skipped, poisoned so that a
-stray read or write shows. ``check_fold`` holds each result to SPEC §6: skipped
+stray read or write shows. ``check_fold`` holds each result to docs/semantics.md §6: skipped
 rows bit-identical, every folded row written, no NaN where the reference is
 finite, the delta within the dtype's relative error, and for the seed kernels
 and CPU handlers the ulp criterion. Backends ``seed`` and ``fast`` (the CUDA
@@ -81,7 +81,7 @@ def test_gather_reads_uint32_indices_as_int32(rng, impl, x_gather):
 @dtypes
 @impls
 def test_router_one_entry_route_folds_every_mapped_row(rng, impl, dtype):
-    """SPEC §3: the router pair is expert 0 of a one-entry route, k_in = hidden,
+    """docs/semantics.md §3: the router pair is expert 0 of a one-entry route, k_in = hidden,
     n_out = num_experts, folded with all-zero indices, top_k=1, x_gather=0."""
     route = make_route(rng, dtype=dtype, n_experts=1, k_in=64, n_out=16, unadapted=0.0)
     T = 20

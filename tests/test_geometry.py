@@ -1,4 +1,4 @@
-"""SPEC §4: launch geometry of the seed-design kernels."""
+"""docs/semantics.md §4: launch geometry of the seed-design kernels."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ sizes = st.integers(0, 1 << 20)
 
 def test_mlg_m_tile_is_the_compiled_value():
     assert geometry.MLG_M_TILE == _ext.ext.MLG_M_TILE == jm.MLG_M_TILE
-    assert geometry.MLG_M_TILE == 64  # SPEC §4
+    assert geometry.MLG_M_TILE == 64  # docs/semantics.md §4
 
 
 def test_cuda_tile_matches_when_built():

@@ -1,4 +1,4 @@
-"""SPEC §2: the fold decision, refusing unservable batches, row-adapter maps."""
+"""docs/semantics.md §2: the fold decision, refusing unservable batches, row-adapter maps."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def assert_pure_device(fn, *args):
 
 
 def spec_route(slot: int, active: int, has: bool) -> Route:
-    """SPEC §2, written out independently of the library."""
+    """docs/semantics.md §2, written out independently of the library."""
     if not has:
         return Route.FOLD
     if slot < 0:

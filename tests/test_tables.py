@@ -1,4 +1,4 @@
-"""SPEC §3: packed expert tables, MoeExpertRoute and its constructors."""
+"""docs/semantics.md §3: packed expert tables, MoeExpertRoute and its constructors."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def assert_pure_device(fn, *args):
 
 
 def naive_pack(entries, n=None):
-    """SPEC §3 as a dict: later entries overwrite earlier ones."""
+    """docs/semantics.md §3 as a dict: later entries overwrite earlier ones."""
     last = {}
     for eid, a, b, s in entries:
         last[eid] = (a, b, s)
@@ -488,7 +488,7 @@ def test_router_route_single():
     np.testing.assert_array_equal(np.asarray(route.a_pool)[slot, :r], a)
     np.testing.assert_array_equal(np.asarray(route.b_pool)[slot, :, :r], b)
     np.testing.assert_allclose(route.scale_table, [[scale]])
-    # as the SPEC folds it: gather kernel, zero indices, top_k 1, x_gather 0
+    # as docs/semantics.md §3 folds it: gather kernel, zero indices, top_k 1, x_gather 0
     x = rng.standard_normal((4, hidden)).astype(np.float32)
     logits = rng.standard_normal((4, num_experts)).astype(np.float32)
     got = gather_bgmv_ref(x, logits, np.zeros(4, np.int32), route, top_k=1, x_gather=0)

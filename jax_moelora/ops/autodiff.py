@@ -46,7 +46,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_moelora import _ext
 from jax_moelora.ops import batching, jnp_fold
 from jax_moelora.ops.batching import GatherCfg, GroupedCfg
 from jax_moelora.tables import MoeExpertRoute
@@ -97,11 +96,13 @@ def _cells(route: MoeExpertRoute, adapter, expert):
 
 
 def _dot(spec, a, b):
-    """einsum with f32 accumulation (bf16/f16 operands are widened first on
-    the CPU, whose dot thunks lack mixed-precision kernels)."""
-    if _ext.current_platform() == "cpu":
-        a, b = a.astype(_F32), b.astype(_F32)
-    return jnp.einsum(spec, a, b, precision=_HI, preferred_element_type=_F32)
+    """einsum with f32 accumulation (bf16/f16 operands are widened first when
+    lowered for the CPU, whose dot thunks lack mixed-precision kernels)."""
+    def dot(a, b):
+        return jnp.einsum(spec, a, b, precision=_HI, preferred_element_type=_F32)
+
+    return jax.lax.platform_dependent(a, b, cpu=lambda a, b: dot(a.astype(_F32), b.astype(_F32)),
+                                      default=dot)
 
 
 def _bwd_dense(x, route, g_rows, xi, cell, ok):

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_moelora import _ext
 from jax_moelora.ops import ffi_fold, jnp_fold
 from jax_moelora.tables import MoeExpertRoute
 
@@ -40,20 +41,20 @@ __all__ = ["GatherCfg", "GroupedCfg", "gather_op", "grouped_op", "match_varying"
 
 
 class GatherCfg(NamedTuple):
-    """Static configuration of one gather fold (``impl`` already resolved)."""
+    """Static configuration of one gather fold."""
 
     top_k: int
     x_gather: int
-    impl: str
+    impl: str  # "auto" (picked per lowering platform) or a concrete backend
 
 
 class GroupedCfg(NamedTuple):
-    """Static configuration of one grouped fold (``impl`` already resolved)."""
+    """Static configuration of one grouped fold."""
 
     row_offset: int
     row_end: int
     x_gather: int
-    impl: str
+    impl: str  # "auto" (picked per lowering platform) or a concrete backend
 
 
 def varying_axes(v) -> frozenset:
@@ -94,7 +95,23 @@ def _typed_like(out, args):
     return match_varying((out, args), floats_only=False)[0]
 
 
+def _per_platform(impl_fn, args):
+    """``impl="auto"``: ``impl_fn(impl, *args)`` with the backend for the platform
+    the computation is lowered for (``jax.lax.platform_dependent``): ``"cpu"``
+    (the C++ handlers) for CPU, ``"fast"`` (the CUDA kernels, when built) for
+    CUDA, ``"jnp"`` for any other. Each branch's result is typed like the
+    operands inside ``shard_map``, so the branches agree."""
+    branches = {"cpu": lambda *a: _typed_like(impl_fn("cpu", *a), a)}
+    if _ext.HAS_CUDA:
+        branches["cuda"] = lambda *a: _typed_like(impl_fn("fast", *a), a)
+    return jax.lax.platform_dependent(
+        *args, default=lambda *a: _typed_like(impl_fn("jnp", *a), a), **branches)
+
+
 def _gather_impl(cfg: GatherCfg, x, base_out, indices, route, row_adapter):
+    if cfg.impl == "auto":
+        return _per_platform(lambda impl, *a: _gather_impl(cfg._replace(impl=impl), *a),
+                             (x, base_out, indices, route, row_adapter))
     if cfg.impl == "jnp":
         return jnp_fold.gather_bgmv_jnp(x, base_out, indices, route, row_adapter,
                                         top_k=cfg.top_k, x_gather=cfg.x_gather)
@@ -105,6 +122,9 @@ def _gather_impl(cfg: GatherCfg, x, base_out, indices, route, row_adapter):
 
 def _grouped_impl(cfg: GroupedCfg, x, base_out, expert_offsets, sorted_token_ids, route,
                   row_adapter):
+    if cfg.impl == "auto":
+        return _per_platform(lambda impl, *a: _grouped_impl(cfg._replace(impl=impl), *a),
+                             (x, base_out, expert_offsets, sorted_token_ids, route, row_adapter))
     kw = dict(row_offset=cfg.row_offset, row_end=cfg.row_end, x_gather=cfg.x_gather)
     if cfg.impl == "jnp":
         return jnp_fold.grouped_down_jnp(x, base_out, expert_offsets, sorted_token_ids, route,

@@ -1,10 +1,12 @@
-"""The two MoE LoRA folds and ``moe_lora_fold`` (SPEC §5).
+"""The two MoE LoRA folds and ``moe_lora_fold`` (docs/semantics.md §5).
 
 Each function validates shapes and dtypes at trace time (``ValueError`` /
 ``TypeError`` before any launch), then runs one backend:
 
-- ``"auto"``: the fastest on the platform (``"fast"`` on a GPU with the CUDA
-  kernels, ``"cpu"`` on the CPU, ``"jnp"`` elsewhere);
+- ``"auto"``: the fastest on the platform the computation is lowered for
+  (``"fast"`` for CUDA when the CUDA kernels were built, ``"cpu"`` for the CPU,
+  ``"jnp"`` elsewhere), chosen at lowering time, so one function lowered for
+  the CPU and for CUDA gets each platform's kernels;
 - ``"fast"``: the tuned CUDA kernels; ``"seed"``: the CUDA kernels with the
   seed's geometry; ``"cpu"``: the C++ FFI handlers; ``"jnp"``: pure JAX.
 
@@ -40,7 +42,13 @@ GATHER_MAX_ROWS = 2048
 
 
 def resolve_impl(impl: str) -> str:
-    """The concrete backend ``impl`` names on JAX's default backend."""
+    """The concrete backend ``impl`` names for computations on JAX's default
+    platform (for ``"auto"``: the one a computation lowered there runs).
+
+    Raises:
+      ValueError: ``impl`` is not one of ``IMPLS``, or names a backend that
+        cannot run on the default platform.
+    """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     backend = _ext.current_platform()
@@ -56,6 +64,13 @@ def resolve_impl(impl: str) -> str:
         raise ValueError(f"impl='cpu' runs the C++ handlers on the CPU; computations go to "
                          f"{backend!r} (use `with jax.default_device(jax.devices('cpu')[0])`)")
     return impl
+
+
+def _checked_impl(impl: str) -> str:
+    """``impl`` validated as ``resolve_impl`` does; ``"auto"`` is kept, and the
+    backend is picked when the fold is lowered (``ops/batching.py``)."""
+    concrete = resolve_impl(impl)
+    return "auto" if impl == "auto" else concrete
 
 
 def _shape(name: str, v) -> tuple[int, ...]:
@@ -154,7 +169,7 @@ def moe_lora_gather_bgmv(x: jax.Array, base_out: jax.Array, indices: jax.Array,
         (nr,) = _int_array("row_adapter", row_adapter)
         if nr != num_tokens:
             raise ValueError(f"{fn}: row_adapter has {nr} entries, the batch has {num_tokens} tokens")
-    impl = resolve_impl(impl)
+    impl = _checked_impl(impl)
     if jnp.dtype(indices.dtype) == jnp.uint32:
         indices = jax.lax.bitcast_convert_type(indices, jnp.int32)
     return autodiff.gather_bgmv(x, base_out, indices, route, row_adapter, top_k=top_k,
@@ -219,7 +234,7 @@ def moe_lora_grouped_down(x: jax.Array, base_out: jax.Array, expert_offsets: jax
     row_offset, row_end = int(row_offset), int(row_end)
     if not 0 <= row_offset <= row_end <= te:
         raise ValueError(f"{fn}: window [{row_offset}, {row_end}) is not inside [0, {te}]")
-    impl = resolve_impl(impl)
+    impl = _checked_impl(impl)
     if row_offset == row_end:
         return base_out
     return autodiff.grouped_down(x, base_out, expert_offsets, sorted_token_ids, route,

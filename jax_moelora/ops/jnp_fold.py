@@ -1,5 +1,5 @@
 """Pure-JAX folds (``impl="jnp"``): portable, differentiable, same skip rules
-and roundings as the custom calls (SPEC §5)."""
+and roundings as the custom calls (docs/semantics.md §5)."""
 
 from __future__ import annotations
 

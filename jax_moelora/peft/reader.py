@@ -24,6 +24,8 @@ from typing import Literal
 
 import numpy as np
 
+from jax_moelora._optional import needs_extra
+
 from jax_moelora.peft import layouts
 from jax_moelora.peft.adapter import (
     PROJECTIONS,
@@ -60,7 +62,8 @@ def _moe_rest(module: str) -> str | None:
 
 def _read_tensors(path: Path) -> tuple[dict[str, np.ndarray | None], np.dtype | None]:
     """Every key of the file; the MoE LoRA tensors as float32, the others ``None``."""
-    from safetensors import SafetensorError, safe_open
+    with needs_extra("peft", "reading PEFT adapters"):
+        from safetensors import SafetensorError, safe_open
 
     if not path.is_file():
         raise AdapterFormatError(f"missing weights: {path} does not exist")

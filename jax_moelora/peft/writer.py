@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from jax_moelora._optional import needs_extra
+
 from jax_moelora.peft.adapter import PROJECTIONS
 from jax_moelora.peft.config import CONFIG_NAME, pattern_value
 from jax_moelora.peft.reader import WEIGHTS_NAME
@@ -253,7 +255,8 @@ def save_peft_adapter(path: str | os.PathLike,
     if layout == "target_parameters":
         config["peft_version"] = PEFT_FORMAT_VERSION
     config.update(config_overrides or {})
-    from safetensors.numpy import save_file
+    with needs_extra("peft", "writing PEFT adapters"):
+        from safetensors.numpy import save_file
 
     save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
     (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2))
