@@ -4,12 +4,15 @@
 # (timings never share the GPU with the test suite). Everything lands in
 # $OUT/results.tgz, also when a step overruns (the steps get BUDGET seconds,
 # default 560; each step has its own timeout too).
-#   run: bash scripts/device_check.sh                 (timeout_s 600)
-#   env: STEPS="build bench bench2 timing suite memcheck racecheck initcheck synccheck ncu scaling"
+#   run: bash scripts/device_check.sh                 (timeout_s 600, carry [".whl"])
+# The machine has no network: the CUTLASS headers of expert_matmul come from
+# the nvidia-cutlass wheel in .whl/ (`pip download --no-deps "nvidia-cutlass==4.2.*"
+# -d .whl` here first); without it that kernel is not built.
+#   env: STEPS="build bench bench2 gemm timing suite memcheck racecheck initcheck synccheck ncu scaling"
 #        BENCH="<bench args>"  BENCH2="<a second bench>"  TESTS="<pytest args of the suite step>"
 #        SAN_FILES="<test files of the sanitizer steps>"  SAN_K="<their -k expression>"
 #        KERNELS=<ncu name regex>  NCU_ARGS="<bench args of the ncu step>"
-#        CMDBUF_FLAGS="<XLA_FLAGS of the cmdbuf step's second runs>"
+#        CMDBUF_FLAGS="<XLA_FLAGS of the cmdbuf step's second runs>"  GEMM="<bench --gemm args>"
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 R=$OUT/r; mkdir -p "$R"
@@ -25,7 +28,10 @@ step() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$R/phases.log"; }
 export CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi > "$R/nvidia-smi.txt" 2>&1
 if has build; then
-  step build; timeout 200 python3 -m pip install --no-build-isolation --no-deps . > "$R/build.log" 2>&1; step "build rc=$?"
+  step build
+  ls .whl/nvidia_cutlass-*.whl > /dev/null 2>&1 && python3 -m pip install --no-deps .whl/nvidia_cutlass-*.whl > "$R/build.log" 2>&1
+  timeout 300 python3 -m pip install --no-build-isolation --no-deps -v . >> "$R/build.log" 2>&1; step "build rc=$?"
+  grep -E "expert_matmul:|jax_moelora CUDA" "$R/build.log" >> "$R/phases.log"
   python3 -m jax_moelora info >> "$R/build.log" 2>&1
 fi
 san() {  # san TOOL SECONDS: compute-sanitizer TOOL over the sanitizer tests
@@ -46,6 +52,9 @@ if has bench; then
 fi
 if has bench2 && [ -n "${BENCH2:-}" ]; then
   step bench2; timeout 200 python3 -m jax_moelora bench $BENCH2 --out "$R/bench2" > "$R/bench2.log" 2>&1; step "bench2 rc=$?"
+fi
+if has gemm; then
+  step gemm; timeout 240 python3 -m jax_moelora bench --gemm ${GEMM:---models qwen} --out "$R/gemm" > "$R/gemm.log" 2>&1; step "gemm rc=$?"
 fi
 if has timing; then
   step timing; timeout 90 python3 -m jax_moelora demo --timing --repeats 10 --json "$R/timing.json" > "$R/timing.log" 2>&1; step "timing rc=$?"
