@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_moelora.ops import ffi_fold, jnp_fold
+from jax_moelora.ops.contract import offsets_well_formed
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["GatherCfg", "GroupedCfg", "gather_op", "grouped_op", "match_varying", "varying_axes"]
@@ -202,7 +203,11 @@ def grouped_op(cfg: GroupedCfg):
         # unadapted filler that owns the rows outside b's window.
         offs = _bcast(expert_offsets, ob, size)               # [B, V]
         V = offs.shape[1]
-        starts = b * te + jnp.clip(offs, cfg.row_offset, cfg.row_end)
+        # An example whose offsets are not well formed folds no row: all its
+        # rows go to its unadapted filler (docs/malformed_metadata.md).
+        well = jax.vmap(lambda o: offsets_well_formed(o, te))(offs)[:, None]
+        starts = b * te + jnp.where(well, jnp.clip(offs, cfg.row_offset, cfg.row_end),
+                                    cfg.row_offset)
         offsets = jnp.concatenate([starts.reshape(-1),
                                    jnp.full((1,), size * te, jnp.int32)]).astype(jnp.int32)
         tok = _bcast(sorted_token_ids, sb, size)              # [B, te]
