@@ -171,7 +171,8 @@ def test_validate_ignores_tokens_that_are_never_read(rng):
 @pytest.mark.parametrize("op", ["gather", "grouped"])
 def test_validate_raises_on_table_cells_outside_the_pool(rng, op):
     make = make_gather_case if op == "gather" else make_grouped_case
-    case = make(rng, dtype=jnp.float32, out_of_pool=1)
+    extra = {"bad_tokens": 0.0} if op == "grouped" else {}
+    case = make(rng, dtype=jnp.float32, out_of_pool=1, **extra)
     args = to_device(case.operands())
     fn = ml.moe_lora_gather_bgmv if op == "gather" else ml.moe_lora_grouped_down
     with pytest.raises(checkify.JaxRuntimeError, match=r"route\.[ab]_table has 1 cells outside"):
@@ -319,7 +320,7 @@ def test_fold_refuses_flat_rows_int32_cannot_address():
 def test_largest_addressable_row_count_is_accepted():
     route = _abstract_route()
     n = ROWS_2_31 - 1
-    out = jax.eval_shape(lambda x, b, i: ml.moe_lora_gather_bgmv(x, b, i, route, top_k=1,
-                                                                 x_gather=0, impl="jnp"),
-                         _sds((n, 8)), _sds((n, 8)), _sds((n,), jnp.int32))
+    out = jax.eval_shape(lambda x, b, i, r: ml.moe_lora_gather_bgmv(x, b, i, r, top_k=1,
+                                                                    x_gather=0, impl="jnp"),
+                         _sds((n, 8)), _sds((n, 8)), _sds((n,), jnp.int32), route)
     assert out.shape == (n, 8)
