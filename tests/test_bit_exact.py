@@ -10,7 +10,7 @@ reference without the rounding of ``xa`` (or of ``delta``) gives other bits.
 
 The backward is held to a float64 reference built from the ROUNDED ``xa``
 (the straight-through rule of ``ops/autodiff.py``), in dense and tiled mode:
-with power-of-two scales and an integer cotangent the ``b_pool`` gradient is
+with power-of-two scales and a small integer cotangent the ``b_pool`` gradient is
 exact (bit for bit), and the ``scale_table`` gradient is within fp32 summation
 error, far closer than the gradient of the unrounded ``xa`` would be.
 """
@@ -192,13 +192,13 @@ def _grads(case, impl, g):
 def test_backward_uses_the_rounded_xa(rng, monkeypatch, impl, mode, dtype, op):
     monkeypatch.setattr(autodiff, "FORCE_MODE", mode)
     case = _case(rng, op, dtype, x_gather=1, num_loras=2, scales=GRAD_SCALES)
-    g = rng.integers(-2, 3, case.base_out.shape).astype(np.float32)
+    g = rng.integers(-3, 4, case.base_out.shape).astype(np.float32)
     db_want, ds_want = _backward64(case, g)
     db_raw, ds_raw = _backward64(case, g, round_xa=False)
-    ds_tol = 1e-6 * np.abs(ds_want).max()
+    ds_tol = 32 * float(np.spacing(np.abs(ds_want).max()))   # fp32 summation error
     # the case can tell the two apart
     assert (bits(db_want) != bits(db_raw)).sum() >= 5
-    assert np.abs(ds_raw - ds_want).max() > 100 * ds_tol
+    assert np.abs(ds_raw - ds_want).max() > 10 * ds_tol
     db, ds = _grads(case, impl, jnp.asarray(g))
     np.testing.assert_array_equal(bits(db), bits(db_want), err_msg="b_pool gradient")
     np.testing.assert_allclose(ds, ds_want, rtol=0, atol=ds_tol, err_msg="scale_table gradient")
