@@ -34,6 +34,13 @@ def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
+@pytest.fixture
+def on_cpu():
+    """Computations on the CPU (``impl="cpu"`` needs it on a GPU machine too)."""
+    with on_platform("cpu"):
+        yield
+
+
 def _small_grouped(rng, **kw):
     return make_grouped_case(rng, dtype=jnp.float32, num_loras=1, n_experts=4, k_in=16, n_out=8,
                              ranks=(8,), max_rank=8, extra_experts=0, lead=0, tail=0,
@@ -120,6 +127,7 @@ def _grouped_args(case):
     return to_device(case.operands())
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_validate_accepts_well_formed_metadata_and_gives_the_same_bits(rng):
     case = make_grouped_case(rng, dtype=jnp.bfloat16, x_gather=1, bad_tokens=0.0)
     x, base, offs, stid, route, ra = _grouped_args(case)
@@ -132,15 +140,18 @@ def test_validate_accepts_well_formed_metadata_and_gives_the_same_bits(rng):
 @pytest.mark.parametrize("impl", ["cpu", "jnp"])
 def test_validate_raises_on_malformed_offsets_eagerly(rng, impl):
     case = _small_grouped(rng, x_gather=0, row_adapter=False)
-    x, base, _, stid, route, _ = _grouped_args(case)
-    bad = jnp.asarray(MALFORMED["decreasing"](base.shape[0]), jnp.int32)
-    with pytest.raises(checkify.JaxRuntimeError, match="expert_offsets must satisfy"):
-        ml.moe_lora_grouped_down(x, base, bad, stid, route, x_gather=0, impl=impl, validate=True)
-    # without validate: the documented skip
-    out = ml.moe_lora_grouped_down(x, base, bad, stid, route, x_gather=0, impl=impl)
+    with on_platform(impl):
+        x, base, _, stid, route, _ = _grouped_args(case)
+        bad = jnp.asarray(MALFORMED["decreasing"](base.shape[0]), jnp.int32)
+        with pytest.raises(checkify.JaxRuntimeError, match="expert_offsets must satisfy"):
+            ml.moe_lora_grouped_down(x, base, bad, stid, route, x_gather=0, impl=impl,
+                                     validate=True)
+        # without validate: the documented skip
+        out = ml.moe_lora_grouped_down(x, base, bad, stid, route, x_gather=0, impl=impl)
     np.testing.assert_array_equal(bits(out), bits(case.base_out))
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_validate_under_jit_with_checkify_names_the_token(rng):
     case = _small_grouped(rng, x_gather=1, row_adapter=False)
     x, base, offs, stid, route, _ = _grouped_args(case)
@@ -161,6 +172,7 @@ def test_validate_under_jit_with_checkify_names_the_token(rng):
     err.throw()  # no error on good metadata
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_validate_ignores_tokens_that_are_never_read(rng):
     case = _small_grouped(rng, x_gather=0, row_adapter=False)
     x, base, offs, stid, route, _ = _grouped_args(case)
@@ -168,6 +180,7 @@ def test_validate_ignores_tokens_that_are_never_read(rng):
     ml.moe_lora_grouped_down(x, base, offs, stid, route, x_gather=0, impl="cpu", validate=True)
 
 
+@pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("op", ["gather", "grouped"])
 def test_validate_raises_on_table_cells_outside_the_pool(rng, op):
     make = make_gather_case if op == "gather" else make_grouped_case
@@ -180,6 +193,7 @@ def test_validate_raises_on_table_cells_outside_the_pool(rng, op):
     fn(*args, impl="cpu", **case.keywords())   # the documented skip, no error
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_validate_does_not_flag_ordinary_skips(rng):
     # negative and foreign expert ids, adapters -1 and >= L, unadapted cells
     case = make_gather_case(rng, dtype=jnp.float32, num_loras=3)
@@ -188,6 +202,7 @@ def test_validate_does_not_flag_ordinary_skips(rng):
     check_fold(case, out, strict=is_seed_design("cpu"))
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_validate_must_be_a_static_bool(rng):
     case = make_gather_case(rng, dtype=jnp.float32)
     with pytest.raises(TypeError, match="validate must be a static bool"):
@@ -281,6 +296,7 @@ def _sds(shape, dt=jnp.bfloat16):
 ROWS_2_31 = 2**31
 
 
+@pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("impl", ["jnp", "cpu"])
 def test_gather_refuses_rows_int32_cannot_address(impl):
     route = _abstract_route()
@@ -291,6 +307,7 @@ def test_gather_refuses_rows_int32_cannot_address(impl):
                        _sds((n, 8)), _sds((n, 8)), _sds((n,), jnp.int32))
 
 
+@pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("impl", ["jnp", "cpu"])
 def test_grouped_refuses_rows_int32_cannot_address(impl):
     route = _abstract_route()
