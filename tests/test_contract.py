@@ -341,3 +341,25 @@ def test_largest_addressable_row_count_is_accepted():
                                                                     x_gather=0, impl="jnp"),
                          _sds((n, 8)), _sds((n, 8)), _sds((n,), jnp.int32), route)
     assert out.shape == (n, 8)
+
+
+@pytest.mark.parametrize("op", ["gather", "grouped"])
+def test_vmap_refuses_batches_whose_flat_rows_int32_cannot_address(op):
+    """vmap folds all examples in one call over batch * rows flat rows."""
+    route = _abstract_route()
+    rows = 2**20
+
+    def one(x, b, i, r):
+        if op == "gather":
+            return ml.moe_lora_gather_bgmv(x, b, i, r, top_k=1, x_gather=0, impl="jnp")
+        return ml.moe_lora_grouped_down(x, b, jnp.zeros((5,), jnp.int32), i, r, x_gather=0,
+                                        impl="jnp")
+
+    def shapes(batch):
+        return (_sds((batch, rows, 8)), _sds((batch, rows, 8)),
+                _sds((batch, rows), jnp.int32), route)
+
+    batched = jax.vmap(one, in_axes=(0, 0, 0, None))
+    with pytest.raises(ValueError, match=rf"under vmap: base_out \(batch \* rows\) has {2**31}"):
+        jax.eval_shape(batched, *shapes(2**11))          # 2**31 flat rows
+    assert jax.eval_shape(batched, *shapes(4)).shape == (4, rows, 8)

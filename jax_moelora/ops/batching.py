@@ -33,6 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_moelora.int_range import check_rows
 from jax_moelora.ops import ffi_fold, jnp_fold
 from jax_moelora.ops.contract import offsets_well_formed
 from jax_moelora.tables import MoeExpertRoute
@@ -169,6 +170,9 @@ def gather_op(cfg: GatherCfg):
     def rule(size, in_batched, x, base_out, indices, route, row_adapter):
         xb, bb, ib, rb, ab = in_batched
         base = _bcast(base_out, bb, size)                     # [B, S, N]
+        check_rows("moe_lora_gather_bgmv under vmap", "base_out (batch * rows)",
+                   size * base.shape[1])
+        check_rows("moe_lora_gather_bgmv under vmap", "x (batch * rows)", size * x.shape[-2])
         ids = _bcast(indices, ib, size)                       # [B, S]
         if any(jax.tree_util.tree_leaves(rb)):
             E = route.a_table.shape[-1]
@@ -198,6 +202,8 @@ def grouped_op(cfg: GroupedCfg):
         xb, bb, ob, sb, rb, ab = in_batched
         base = _bcast(base_out, bb, size)                     # [B, te, N]
         te = base.shape[1]
+        check_rows("moe_lora_grouped_down under vmap", "base_out (batch * rows)", size * te)
+        check_rows("moe_lora_grouped_down under vmap", "x (batch * rows)", size * x.shape[-2])
         b = jnp.arange(size, dtype=jnp.int32)[:, None]
         # Virtual experts: example b's expert e is b * V + e; e = V - 1 is an
         # unadapted filler that owns the rows outside b's window.
