@@ -53,9 +53,24 @@ MOELORA_HD bool resolve_pair(const RouteView& r, int64_t adapter, int64_t expert
   return true;
 }
 
+// Whether a grouped fold's expert_offsets are well formed (docs/malformed_metadata.md):
+// 0 <= offsets[0] <= offsets[1] <= ... <= offsets[num_experts] <= te. A fold
+// whose offsets are not well formed folds no row at all: every backend calls
+// this once per fold (or once per CTA) before it folds anything.
+MOELORA_HD bool offsets_well_formed(const int32_t* offsets, int64_t num_experts,
+                                    int64_t te) {
+  int64_t prev = 0;
+  for (int64_t e = 0; e <= num_experts; ++e) {
+    const int64_t o = offsets[e];
+    if (o < prev) return false;
+    prev = o;
+  }
+  return prev <= te;
+}
+
 // The expert whose span [offsets[e], offsets[e + 1]) holds sorted row `row`,
-// or -1 when no span does. `offsets` has num_experts + 1 non-decreasing
-// entries (binary search: the last e with offsets[e] <= row).
+// or -1 when no span does. `offsets` must be well formed
+// (offsets_well_formed); binary search: the last e with offsets[e] <= row.
 MOELORA_HD int64_t find_expert(const int32_t* offsets, int64_t num_experts,
                                int64_t row) {
   int64_t lo = 0, hi = num_experts + 1;  // answer in [lo, hi)

@@ -147,6 +147,7 @@ void grouped_impl(ffi::AnyBuffer x, ffi::AnyBuffer base, const int32_t* offsets,
                   bool x_gather, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> xa) {
   const int64_t te = base.dimensions()[0];
   const FoldBuffers<C> buf(x, base, a_pool, b_pool, out, xa, d);
+  if (!offsets_well_formed(offsets, num_experts, te)) return;  // fold no row
   const int64_t num_tokens = x_gather ? x.dimensions()[0] : num_ra;
   const int64_t lo = row_offset < 0 ? 0 : row_offset, hi = row_end < te ? row_end : te;
   for (int64_t r = lo; r < hi; ++r) {

@@ -6,8 +6,9 @@
 // window tile y (MLG_M_TILE rows) that expert z owns.
 //   shrink: out = R, xa[r, j] = round(x[x_row(r)] . A[j])
 //   expand: out = N, out[r, n] = round(out + s * round(xa[r] . B[n]))
-// A row folds only in the block of the expert whose span holds it
-// (find_expert), so every backend folds the same rows whatever the offsets.
+// A fold whose expert_offsets are not well formed (offsets_well_formed) folds
+// no row: every block returns before its first row. Otherwise a row folds
+// only in the block of the expert whose span holds it (find_expert).
 #include <algorithm>
 
 #include "cuda_common.cuh"
@@ -47,6 +48,7 @@ __global__ void __launch_bounds__(kGbgmvThreads)
     grouped_shrink_seed(GroupedArgs a, int64_t tile_base) {
   using Tr = Traits<D>;
   using T = typename Tr::T;
+  if (!offsets_well_formed(a.expert_offsets, a.num_experts, a.te)) return;  // uniform
   const int64_t e = blockIdx.z;
   int64_t lo, hi;
   tile_rows(a, tile_base + blockIdx.y, e, &lo, &hi);
@@ -73,6 +75,7 @@ __global__ void __launch_bounds__(kGbgmvThreads)
     grouped_expand_seed(GroupedArgs a, int64_t tile_base) {
   using Tr = Traits<D>;
   using T = typename Tr::T;
+  if (!offsets_well_formed(a.expert_offsets, a.num_experts, a.te)) return;  // uniform
   const int64_t e = blockIdx.z;
   int64_t lo, hi;
   tile_rows(a, tile_base + blockIdx.y, e, &lo, &hi);

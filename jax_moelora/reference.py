@@ -82,6 +82,9 @@ def grouped_down_ref(x, base_out, expert_offsets, sorted_token_ids, route: MoeEx
     L, E, P = route.max_loras, route.n_experts, route.pool_size
     ra = None if row_adapter is None else np.asarray(row_adapter).astype(np.int64)
     num_experts = offs.shape[0] - 1
+    # docs/malformed_metadata.md: offsets that are not 0 <= o[0] <= ... <= o[-1] <= te fold no row.
+    if offs[0] < 0 or np.any(np.diff(offs) < 0) or offs[-1] > te:
+        return out
     for r in range(max(0, row_offset), min(row_end, te)):
         owners = [e for e in range(num_experts) if offs[e] <= r < offs[e + 1]]
         if not owners:

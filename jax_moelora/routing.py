@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
+from jax_moelora.int_range import check_int32_values
+
 __all__ = [
     "Route",
     "UnservableBatchError",
@@ -80,6 +82,7 @@ def _int32_array(v: Any, name: str) -> jax.Array:
     if isinstance(v, jax.Array):
         if not jnp.issubdtype(v.dtype, jnp.integer):
             raise TypeError(f"{name} must be an integer array, got dtype {v.dtype}")
+        check_int32_values(v, name)
         return v.astype(jnp.int32)
     if _is_bool_scalar(v):
         raise TypeError(f"{name} must be an integer, got bool")
@@ -88,8 +91,7 @@ def _int32_array(v: Any, name: str) -> jax.Array:
         arr = arr.astype(np.int32)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.size and (int(arr.min()) < _I32.min or int(arr.max()) > _I32.max):
-        raise ValueError(f"{name} has values outside the int32 range")
+    check_int32_values(arr, name)
     return jnp.asarray(arr.astype(np.int32))
 
 
@@ -330,8 +332,7 @@ def build_moe_row_adapter_host(cu_seqlens: Any, adapter_slots: Any) -> np.ndarra
     """
     cu = _host_int_vector(cu_seqlens, "cu_seqlens")
     slots = _host_int_vector(adapter_slots, "adapter_slots")
-    if slots.size and (slots.min() < _I32.min or slots.max() > _I32.max):
-        raise ValueError("adapter_slots has values outside the int32 range")
+    check_int32_values(slots, "adapter_slots", "build_moe_row_adapter_host")
     if cu.shape[0] < 2:
         return None
     batch = cu.shape[0] - 1

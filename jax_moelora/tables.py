@@ -22,6 +22,7 @@ import numpy as np
 
 from jax_moelora._ext import RANK_ALIGN
 from jax_moelora.geometry import padded_rank
+from jax_moelora.int_range import check_int32_values
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -52,7 +53,9 @@ class MoeExpertRoute:
     Build it as ``MoeExpertRoute(a_pool=..., b_pool=..., a_table=...,
     b_table=..., scale_table=...)``. Tables may be ``[L, E_t]`` or 1-D
     ``[E_t]`` (meaning ``L = 1``, the single-active model); they are stored
-    as ``[L, E_t]``. Integer tables are cast to int32, scales to float32.
+    as ``[L, E_t]``. Integer tables are cast to int32 (a concrete value
+    outside int32 raises ``int_range.Int32RangeError``, an ``OverflowError``
+    and ``ValueError``), scales to float32.
 
     Properties: ``n_experts`` (``E_t``, the table length), ``k_in`` (``K``),
     ``n_out`` (``N``), ``max_rank`` (``R``), ``max_loras`` (``L``),
@@ -80,6 +83,7 @@ class MoeExpertRoute:
         if kind is int:
             if not jnp.issubdtype(dtype, jnp.integer):
                 raise TypeError(f"MoeExpertRoute: {name} must be an integer array, got {dtype}")
+            check_int32_values(t, name, "MoeExpertRoute")
             target = jnp.int32
         else:
             if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
@@ -300,6 +304,8 @@ def _vec(v: Any, name: str, integer: bool) -> jax.Array:
         raise TypeError(f"pack_expert_tables_traced: {name} must be real numbers, got {dt}")
     if v.ndim != 1:
         raise ValueError(f"pack_expert_tables_traced: {name} must be 1-D, got shape {tuple(v.shape)}")
+    if integer:
+        check_int32_values(v, name, "pack_expert_tables_traced")
     return jnp.asarray(v).astype(jnp.int32 if integer else jnp.float32)
 
 

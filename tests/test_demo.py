@@ -50,8 +50,11 @@ def test_bad_options_exit():
         run_demo("--steps", "0")
 
 
-def test_cli_entry():
+def test_cli_entry(capsys):
     main = pytest.importorskip("jax_moelora.__main__").main
     pytest.importorskip("jax_moelora.bench")
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exited:
         main(["demo", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and "demo" in out and "--steps" in out

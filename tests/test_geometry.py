@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -20,8 +22,15 @@ sizes = st.integers(0, 1 << 20)
 # --------------------------------------------------------------------------
 
 def test_mlg_m_tile_is_the_compiled_value():
-    assert geometry.MLG_M_TILE == _ext.ext.MLG_M_TILE == jm.MLG_M_TILE
-    assert geometry.MLG_M_TILE == 64  # docs/semantics.md §4
+    # The header is the one source of the constant: read it here independently
+    # of the extension, which must have been compiled with the same value.
+    header = (Path(__file__).resolve().parents[1] / "ffi_src" / "moelora_constants.h").read_text()
+    found = re.search(r"kMlgMTile\s*=\s*(\d+)\s*;", header)
+    assert found, "kMlgMTile not found in ffi_src/moelora_constants.h"
+    assert int(found.group(1)) == _ext.ext.MLG_M_TILE == 64  # docs/semantics.md §4
+    assert geometry.MLG_M_TILE == 64 and jm.MLG_M_TILE == 64
+    # the Python geometry tiles by it
+    assert geometry.grouped_down_wc(0, 64) == 1 and geometry.grouped_down_wc(0, 65) == 2
 
 
 def test_cuda_tile_matches_when_built():

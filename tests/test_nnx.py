@@ -300,6 +300,12 @@ def test_init_adapter_starts_at_the_base_model():
     f = fwd("auto")
     np.testing.assert_array_equal(np.asarray(f(block, x, ids)), np.asarray(f(block, x, None)))
     assert np.asarray(block.lora.gate.a_pool[...])[block.lora.gate.pool_slot(1, 0)][:8].any()
+    # the fresh adapter is live: once its B leaves zero, the same call leaves the base output
+    gate = block.lora.gate
+    first = gate.pool_slot(1, 0)
+    gate.b_pool[...] = gate.b_pool[...].at[first:first + gate.n_experts].set(0.05)
+    moved = np.asarray(f(block, x, ids)) != np.asarray(f(block, x, None))
+    assert moved.any(axis=-1).all()
 
 
 # --------------------------------------------------------------------------

@@ -34,7 +34,9 @@ import jax
 import jax.numpy as jnp
 
 from jax_moelora import _ext
+from jax_moelora.int_range import check_rows
 from jax_moelora.ops import ffi_fold, jnp_fold
+from jax_moelora.ops.contract import offsets_well_formed
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["GatherCfg", "GroupedCfg", "gather_op", "grouped_op", "match_varying", "varying_axes"]
@@ -188,6 +190,9 @@ def gather_op(cfg: GatherCfg):
     def rule(size, in_batched, x, base_out, indices, route, row_adapter):
         xb, bb, ib, rb, ab = in_batched
         base = _bcast(base_out, bb, size)                     # [B, S, N]
+        check_rows("moe_lora_gather_bgmv under vmap", "base_out (batch * rows)",
+                   size * base.shape[1])
+        check_rows("moe_lora_gather_bgmv under vmap", "x (batch * rows)", size * x.shape[-2])
         ids = _bcast(indices, ib, size)                       # [B, S]
         if any(jax.tree_util.tree_leaves(rb)):
             E = route.a_table.shape[-1]
@@ -217,12 +222,18 @@ def grouped_op(cfg: GroupedCfg):
         xb, bb, ob, sb, rb, ab = in_batched
         base = _bcast(base_out, bb, size)                     # [B, te, N]
         te = base.shape[1]
+        check_rows("moe_lora_grouped_down under vmap", "base_out (batch * rows)", size * te)
+        check_rows("moe_lora_grouped_down under vmap", "x (batch * rows)", size * x.shape[-2])
         b = jnp.arange(size, dtype=jnp.int32)[:, None]
         # Virtual experts: example b's expert e is b * V + e; e = V - 1 is an
         # unadapted filler that owns the rows outside b's window.
         offs = _bcast(expert_offsets, ob, size)               # [B, V]
         V = offs.shape[1]
-        starts = b * te + jnp.clip(offs, cfg.row_offset, cfg.row_end)
+        # An example whose offsets are not well formed folds no row: all its
+        # rows go to its unadapted filler (docs/malformed_metadata.md).
+        well = jax.vmap(lambda o: offsets_well_formed(o, te))(offs)[:, None]
+        starts = b * te + jnp.where(well, jnp.clip(offs, cfg.row_offset, cfg.row_end),
+                                    cfg.row_offset)
         offsets = jnp.concatenate([starts.reshape(-1),
                                    jnp.full((1,), size * te, jnp.int32)]).astype(jnp.int32)
         tok = _bcast(sorted_token_ids, sb, size)              # [B, te]

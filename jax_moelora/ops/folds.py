@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moelora import _ext
-from jax_moelora.ops import autodiff
+from jax_moelora.int_range import check_rows
+from jax_moelora.ops import autodiff, contract
 from jax_moelora.ops.stacked import StackedRoute, fold_stacked
 from jax_moelora.tables import MoeExpertRoute
 
@@ -92,10 +93,20 @@ def _int_array(name: str, v, ndim: int = 1, allow_uint32: bool = False):
     return shape
 
 
-def _check_x_gather(x_gather) -> int:
-    if x_gather not in (0, 1) or isinstance(x_gather, float):
-        raise ValueError(f"x_gather must be 0 or 1, got {x_gather!r}")
+def _check_x_gather(fn: str, x_gather) -> int:
+    if isinstance(x_gather, jax.Array):
+        what = "a traced value" if isinstance(x_gather, jax.core.Tracer) else "a jax.Array"
+        raise TypeError(f"{fn}: x_gather must be a static int 0 or 1 (it picks x's layout at "
+                        f"trace time), got {what}")
+    if not isinstance(x_gather, (int, np.integer)) or x_gather not in (0, 1):
+        raise ValueError(f"{fn}: x_gather must be 0 or 1, got {x_gather!r}")
     return int(x_gather)
+
+
+def _check_validate(fn: str, validate) -> bool:
+    if not isinstance(validate, (bool, np.bool_)):
+        raise TypeError(f"{fn}: validate must be a static bool, got {type(validate).__name__}")
+    return bool(validate)
 
 
 def _check_common(fn: str, x, base_out, route) -> tuple[int, int]:
@@ -108,6 +119,8 @@ def _check_common(fn: str, x, base_out, route) -> tuple[int, int]:
         raise ValueError(f"{fn}: x must be 2-D [rows, k_in], got shape {xs}")
     if bs[0] == 0:
         raise ValueError(f"{fn}: base_out has no rows")
+    check_rows(fn, "base_out", bs[0])
+    check_rows(fn, "x", xs[0])
     dt = jnp.dtype(base_out.dtype)
     if dt != route.dtype:
         raise TypeError(f"{fn}: base_out dtype {dt} differs from the route's pools ({route.dtype})")
@@ -124,7 +137,8 @@ def _check_common(fn: str, x, base_out, route) -> tuple[int, int]:
 
 def moe_lora_gather_bgmv(x: jax.Array, base_out: jax.Array, indices: jax.Array,
                          route: MoeExpertRoute, row_adapter: jax.Array | None = None, *,
-                         top_k: int, x_gather: int, impl: Impl = "auto") -> jax.Array:
+                         top_k: int, x_gather: int, impl: Impl = "auto",
+                         validate: bool = False) -> jax.Array:
     """Fold ``out[row] += scale_e * (x[x_row] @ A_e^T) @ B_e^T`` over unsorted flat rows.
 
     Args:
@@ -140,8 +154,12 @@ def moe_lora_gather_bgmv(x: jax.Array, base_out: jax.Array, indices: jax.Array,
         no fold; with ``L > 1`` it picks the table row, ``>= L`` folds
         nothing), or ``None`` to fold every row with table row 0.
       top_k: experts per token; ``n_slots`` must be a multiple of it.
-      x_gather: 0 or 1, see ``x``.
+      x_gather: 0 or 1 (a static int), see ``x``.
       impl: backend, see the module docstring.
+      validate: when True, a breach of docs/malformed_metadata.md (a table
+        cell outside the pool) raises instead of skipping the row: eagerly
+        ``checkify.JaxRuntimeError``; under ``jit`` wrap the caller in
+        ``jax.experimental.checkify.checkify``.
 
     Returns:
       ``[n_slots, n_out]``: ``base_out`` with every adapted row folded.
@@ -149,10 +167,11 @@ def moe_lora_gather_bgmv(x: jax.Array, base_out: jax.Array, indices: jax.Array,
     fn = "moe_lora_gather_bgmv"
     if isinstance(route, StackedRoute):
         return fold_stacked(fn, lambda b, r: moe_lora_gather_bgmv(
-            x, b, indices, r, row_adapter, top_k=top_k, x_gather=x_gather, impl=impl),
-            base_out, route)
+            x, b, indices, r, row_adapter, top_k=top_k, x_gather=x_gather, impl=impl,
+            validate=validate), base_out, route)
     x_rows, n_slots = _check_common(fn, x, base_out, route)
-    x_gather = _check_x_gather(x_gather)
+    x_gather = _check_x_gather(fn, x_gather)
+    validate = _check_validate(fn, validate)
     if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 1:
         raise ValueError(f"{fn}: top_k must be a positive int, got {top_k!r}")
     top_k = int(top_k)
@@ -172,6 +191,8 @@ def moe_lora_gather_bgmv(x: jax.Array, base_out: jax.Array, indices: jax.Array,
     impl = _checked_impl(impl)
     if jnp.dtype(indices.dtype) == jnp.uint32:
         indices = jax.lax.bitcast_convert_type(indices, jnp.int32)
+    if validate:
+        contract.check_gather_metadata(fn, route)
     return autodiff.gather_bgmv(x, base_out, indices, route, row_adapter, top_k=top_k,
                                 x_gather=x_gather, impl=impl)
 
@@ -180,25 +201,34 @@ def moe_lora_grouped_down(x: jax.Array, base_out: jax.Array, expert_offsets: jax
                           sorted_token_ids: jax.Array, route: MoeExpertRoute,
                           row_adapter: jax.Array | None = None, *, row_offset: int = 0,
                           row_end: int | None = None, x_gather: int,
-                          impl: Impl = "auto") -> jax.Array:
+                          impl: Impl = "auto", validate: bool = False) -> jax.Array:
     """Fold the expert-sorted rows ``r`` in ``[row_offset, row_end)``.
 
     Args:
       x: ``[te, k_in]`` sorted (``x_gather=0``: row ``r`` read) or
         ``[num_tokens, k_in]`` (``x_gather=1``: row ``sorted_token_ids[r]``).
       base_out: ``[te, n_out]`` in sorted order.
-      expert_offsets: int32 ``[num_experts + 1]`` non-decreasing prefix sums:
-        expert ``e`` owns sorted rows ``expert_offsets[e] .. expert_offsets[e+1]``;
-        ``num_experts >= route.n_experts``. Rows in no span fold nothing.
-      sorted_token_ids: int32 ``[te]``, the token of each sorted row.
+      expert_offsets: int32 ``[num_experts + 1]`` prefix sums, well formed
+        when ``0 <= o[0] <= ... <= o[-1] <= te``: expert ``e`` owns sorted
+        rows ``expert_offsets[e] .. expert_offsets[e+1]``;
+        ``num_experts >= route.n_experts``. Rows in no span fold nothing;
+        offsets that are not well formed fold no row at all
+        (docs/malformed_metadata.md).
+      sorted_token_ids: int32 ``[te]``, the token of each sorted row (a
+        token outside ``[0, num_tokens)`` folds nothing where it is read).
       route: the projection's ``MoeExpertRoute``, or a ``StackedRoute`` (then
         ``base_out`` and the result are ``[S, te, n_out]``).
       row_adapter: int32 ``[num_tokens]``, read at ``sorted_token_ids[r]``
         (a token outside it folds nothing), or ``None``.
       row_offset, row_end: the window (static ints; default all rows). A
         row's result does not depend on the window that holds it.
-      x_gather: 0 or 1, see ``x``.
+      x_gather: 0 or 1 (a static int), see ``x``.
       impl: backend, see the module docstring.
+      validate: when True, a breach of docs/malformed_metadata.md (offsets
+        not well formed, a token outside its bound in the window, a table
+        cell outside the pool) raises instead of the documented skip:
+        eagerly ``checkify.JaxRuntimeError``; under ``jit`` wrap the caller
+        in ``jax.experimental.checkify.checkify``.
 
     Returns:
       ``[te, n_out]``: ``base_out`` with the window's adapted rows folded.
@@ -207,9 +237,10 @@ def moe_lora_grouped_down(x: jax.Array, base_out: jax.Array, expert_offsets: jax
     if isinstance(route, StackedRoute):
         return fold_stacked(fn, lambda b, r: moe_lora_grouped_down(
             x, b, expert_offsets, sorted_token_ids, r, row_adapter, row_offset=row_offset,
-            row_end=row_end, x_gather=x_gather, impl=impl), base_out, route)
+            row_end=row_end, x_gather=x_gather, impl=impl, validate=validate), base_out, route)
     x_rows, te = _check_common(fn, x, base_out, route)
-    x_gather = _check_x_gather(x_gather)
+    x_gather = _check_x_gather(fn, x_gather)
+    validate = _check_validate(fn, validate)
     (no,) = _int_array("expert_offsets", expert_offsets)
     if no < route.n_experts + 1:
         raise ValueError(f"{fn}: expert_offsets has {no} entries; the route's "
@@ -235,6 +266,12 @@ def moe_lora_grouped_down(x: jax.Array, base_out: jax.Array, expert_offsets: jax
     if not 0 <= row_offset <= row_end <= te:
         raise ValueError(f"{fn}: window [{row_offset}, {row_end}) is not inside [0, {te}]")
     impl = _checked_impl(impl)
+    if validate:
+        num_tokens = x_rows if x_gather else (None if row_adapter is None
+                                              else row_adapter.shape[0])
+        contract.check_grouped_metadata(fn, expert_offsets, sorted_token_ids, route,
+                                        num_tokens=num_tokens, row_offset=row_offset,
+                                        row_end=row_end)
     if row_offset == row_end:
         return base_out
     return autodiff.grouped_down(x, base_out, expert_offsets, sorted_token_ids, route,
@@ -261,14 +298,15 @@ def sort_rows_by_expert(topk_ids: jax.Array, n_experts: int):
 
 def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route: MoeExpertRoute,
                   row_adapter: jax.Array | None = None, *, x_gather: int,
-                  impl: Impl = "auto", gather_max_rows: int = GATHER_MAX_ROWS) -> jax.Array:
+                  impl: Impl = "auto", gather_max_rows: int = GATHER_MAX_ROWS,
+                  validate: bool = False) -> jax.Array:
     """Fold a layer's rows, choosing the gather fold or sort-then-grouped by size.
 
     Args:
       x: ``[T * top_k, k_in]`` (``x_gather=0``) or ``[T, k_in]`` (``x_gather=1``).
       base_out: ``[T * top_k, n_out]`` in flat token-major row order.
       topk_ids: int32 ``[T, top_k]`` expert ids.
-      route, row_adapter, impl: as for ``moe_lora_gather_bgmv`` (a
+      route, row_adapter, impl, validate: as for ``moe_lora_gather_bgmv`` (a
         ``StackedRoute`` takes and returns ``[S, T * top_k, n_out]``).
       gather_max_rows: batches of at most this many flat rows take the gather
         fold; larger ones are sorted by expert (stable, traced jnp), folded by
@@ -282,7 +320,7 @@ def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route:
     if isinstance(route, StackedRoute):
         return fold_stacked("moe_lora_fold", lambda b, r: moe_lora_fold(
             x, b, topk_ids, r, row_adapter, x_gather=x_gather, impl=impl,
-            gather_max_rows=gather_max_rows), base_out, route)
+            gather_max_rows=gather_max_rows, validate=validate), base_out, route)
     ts = _shape("topk_ids", topk_ids)
     if len(ts) != 2:
         raise ValueError(f"moe_lora_fold: topk_ids must be [T, top_k], got shape {ts}")
@@ -293,11 +331,12 @@ def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route:
     if jnp.dtype(topk_ids.dtype) == jnp.uint32:
         topk_ids = jax.lax.bitcast_convert_type(topk_ids, jnp.int32)
     n_slots = ts[0] * top_k
+    check_rows("moe_lora_fold", "base_out", n_slots)
     bs = _shape("base_out", base_out)
     if len(bs) != 2 or bs[0] != n_slots:
         raise ValueError(f"moe_lora_fold: base_out must be [T * top_k = {n_slots}, n_out], got {bs}")
     # The sort path's gathers would hide a wrong x or row_adapter length: check here.
-    x_gather = _check_x_gather(x_gather)
+    x_gather = _check_x_gather("moe_lora_fold", x_gather)
     xs, want_x = _shape("x", x), ts[0] if x_gather else n_slots
     if len(xs) != 2 or xs[0] != want_x:
         raise ValueError(f"moe_lora_fold: x must be [{want_x}, k_in] with x_gather={x_gather}, "
@@ -307,11 +346,12 @@ def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route:
                          f"batch has {ts[0]} tokens")
     if n_slots <= gather_max_rows:
         return moe_lora_gather_bgmv(x, base_out, topk_ids.reshape(-1), route, row_adapter,
-                                    top_k=top_k, x_gather=x_gather, impl=impl)
+                                    top_k=top_k, x_gather=x_gather, impl=impl, validate=validate)
     order, offsets, sorted_tok = sort_rows_by_expert(topk_ids, route.n_experts)
     xs = x if x_gather else _take_rows(x, order)
     folded = moe_lora_grouped_down(xs, _take_rows(base_out, order), offsets, sorted_tok, route,
-                                   row_adapter, x_gather=x_gather, impl=impl)
+                                   row_adapter, x_gather=x_gather, impl=impl,
+                                   validate=validate)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n_slots, dtype=jnp.int32))
     return _take_rows(folded, inverse)
 

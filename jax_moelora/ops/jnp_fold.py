@@ -1,11 +1,13 @@
 """Pure-JAX folds (``impl="jnp"``): portable, differentiable, same skip rules
-and roundings as the custom calls (docs/semantics.md §5)."""
+and roundings as the custom calls (docs/semantics.md §5,
+docs/malformed_metadata.md)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from jax_moelora.ops.contract import offsets_well_formed
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["resolve_pairs", "apply_rows", "gather_bgmv_jnp", "grouped_rows", "grouped_down_jnp"]
@@ -83,7 +85,9 @@ def grouped_rows(expert_offsets, sorted_token_ids, row_adapter, *, x_rows: int,
     """The grouped fold's per-row rules for the window ``[row_offset, row_end)``.
 
     Returns ``(expert, token, adapter, ok_token)``, int32/bool ``[window]``:
-    the expert whose span holds each sorted row (-1 when none does), its token
+    the expert whose span holds each sorted row (-1 when none does, and for
+    every row when ``expert_offsets`` is not well formed:
+    docs/malformed_metadata.md), its token
     (clamped), its row-adapter value (0 without a map), and whether the token
     is inside ``[0, limit)`` where it is needed (``x_gather=1``: ``x_rows``;
     with a map: its length).
@@ -93,6 +97,7 @@ def grouped_rows(expert_offsets, sorted_token_ids, row_adapter, *, x_rows: int,
     e = jnp.searchsorted(expert_offsets, r, side="right").astype(jnp.int32) - 1
     ec = jnp.clip(e, 0, num_experts - 1)
     in_span = (e >= 0) & (e < num_experts) & (r < expert_offsets[ec + 1])
+    in_span = in_span & offsets_well_formed(expert_offsets, sorted_token_ids.shape[0])
     e = jnp.where(in_span, e, -1)
     tok = sorted_token_ids[r]
     limit = x_rows if x_gather else (1 if row_adapter is None else row_adapter.shape[0])
