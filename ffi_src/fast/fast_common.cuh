@@ -94,6 +94,19 @@ __device__ __forceinline__ bool gather_row_cell(const GatherArgs& a, int64_t row
   return true;
 }
 
+// fold_common.h's offsets_well_formed decided by the whole CTA (threads
+// check adjacent pairs in parallel): a grouped kernel folds nothing when it
+// is false. Every thread of the CTA must call it (it synchronises the CTA).
+__device__ __forceinline__ bool cta_offsets_well_formed(const int32_t* offsets, int64_t num_experts,
+                                                        int64_t te) {
+  int bad = 0;
+  for (int64_t e = threadIdx.x; e <= num_experts; e += blockDim.x) {
+    const int64_t v = offsets[e];
+    if (v < (e == 0 ? 0 : int64_t(offsets[e - 1])) || (e == num_experts && v > te)) bad = 1;
+  }
+  return !__syncthreads_or(bad);
+}
+
 // Launch parameters of the grouped kernels.
 struct GroupedParams {
   GroupedArgs a;

@@ -304,6 +304,7 @@ __global__ void __launch_bounds__(kCellThreads, 2) grouped_cells_kernel(const Gr
   static_assert(MR <= 64, "tile rows");
   extern __shared__ __align__(128) char smem[];
   const GroupedArgs& a = prm.a;
+  if (!cta_offsets_well_formed(a.expert_offsets, a.num_experts, a.te)) return;  // uniform
   const CellLayout lay(NRG, int(a.R), cp.stages);
   const int tid = threadIdx.x, lane = tid & 31;
   const int64_t lo = max(int64_t(0), a.row_offset), hi = min(a.row_end, a.te);

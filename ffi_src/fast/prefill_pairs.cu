@@ -322,6 +322,8 @@ __global__ void __launch_bounds__(1024 / C, C) grouped_fast_kernel(const Grouped
   static_assert(MR <= 64, "tile rows");
   extern __shared__ __align__(16) char smem[];
   const GroupedArgs& a = prm.a;
+  // every CTA of a cluster reads the same offsets: they return together
+  if (!cta_offsets_well_formed(a.expert_offsets, a.num_experts, a.te)) return;
   const Layout lay(NT, C, W, int(a.R), prm.smem_experts);
   const int tid = threadIdx.x, lane = tid & 31;
   int crank = 0;

@@ -136,6 +136,7 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_kernel(const GatherArg
 template <int RB>
 __global__ void __launch_bounds__(kF32Threads) grouped_f32_kernel(const GroupedArgs a,
                                                                   int64_t lo) {
+  if (!cta_offsets_well_formed(a.expert_offsets, a.num_experts, a.te)) return;  // uniform
   const int64_t r = lo + blockIdx.x;
   const int64_t e = find_expert(a.expert_offsets, a.num_experts, r);
   if (e < 0) return;
