@@ -1,0 +1,66 @@
+"""Flax NNX modules: MoE blocks of several model families with per-token LoRA adapters.
+
+- ``families``: one frozen config per family (:class:`Qwen3MoE`,
+  :class:`Mixtral`, :class:`GptOss`, :class:`DeepSeekV2`, :class:`DeepSeekV3`).
+- ``lora``: per-layer LoRA state (:class:`ExpertLoRA` pools and tables per
+  projection, :class:`MoELoRA` per layer).
+- ``routers``: :class:`Router` (logits) and each family's choice of experts.
+- ``experts``: the expert MLPs (:class:`GluExperts`, :class:`GptOssExperts`,
+  :class:`SharedExperts`).
+- ``block``: :class:`MoEBlock`, router -> experts -> weighted sum (+ shared
+  experts), LoRA deltas folded by the library's folds with a per-token
+  adapter id (``-1`` = base model).
+- ``pool``: :class:`AdapterPool`, load, replace and unload adapters in a
+  fixed-capacity pool without recompiling the model's step.
+
+Train LoRA weights with ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``: the
+pure-JAX folds (``impl="jnp"``) are differentiable, and so are the custom
+calls wherever a VJP is registered for them.
+"""
+
+from jax_moelora.nnx.block import MoEBlock
+from jax_moelora.nnx.experts import ExpertRows, GluExperts, GptOssExperts, SharedExperts
+from jax_moelora.nnx.families import (
+    FAMILIES,
+    DeepSeekV2,
+    DeepSeekV3,
+    GptOss,
+    Mixtral,
+    MoEFamily,
+    Qwen3MoE,
+    family_config,
+)
+from jax_moelora.nnx.lora import (
+    SHARED_PROJECTIONS,
+    AdapterTable,
+    ExpertLoRA,
+    MoELoRA,
+    MoELoRARoutes,
+)
+from jax_moelora.nnx.pool import AdapterPool
+from jax_moelora.nnx.routers import Router, ScoreCorrectionBias, select_experts
+
+__all__ = [
+    "AdapterPool",
+    "AdapterTable",
+    "DeepSeekV2",
+    "DeepSeekV3",
+    "ExpertLoRA",
+    "ExpertRows",
+    "FAMILIES",
+    "GluExperts",
+    "GptOss",
+    "GptOssExperts",
+    "Mixtral",
+    "MoEBlock",
+    "MoEFamily",
+    "MoELoRA",
+    "MoELoRARoutes",
+    "Qwen3MoE",
+    "Router",
+    "SHARED_PROJECTIONS",
+    "ScoreCorrectionBias",
+    "SharedExperts",
+    "family_config",
+    "select_experts",
+]
