@@ -214,3 +214,28 @@ def test_group_mask_fills_zero_as_transformers_does():
     kept = np.argsort(-top2, axis=1, kind="stable")[:, :2]
     for t in range(16):
         assert not np.isin(np.asarray(ids[t]) // 2, kept[t]).any()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bf16_block_stays_near_the_reference(name):
+    """bf16 activations and weights (the default backend's folds): within the
+    roundings of bf16 of the float64 reference on the bf16 inputs."""
+    family, top_k = CASES[name]
+    normal = nnx.initializers.normal(0.5)
+    block = MoEBlock(H, I, E, top_k, family=family, max_loras=3, max_rank=8,
+                     dtype=jnp.bfloat16, bias_init=normal, router_bias_init=normal,
+                     rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    adapters = []
+    for slot, rank in enumerate((4, 8, 6)):
+        ad = random_adapter(rng, block, f"a{slot}", rank, np.ones(E, bool))
+        block.lora.set_adapter(slot, ad.layers[0])
+        adapters.append(adapter_deltas(ad.layers[0]))
+    x, ids = inputs(7)
+    y = nnx.jit(lambda m, x, ids: m(x, ids))(block, jnp.asarray(x), jnp.asarray(ids))
+    assert y.dtype == jnp.bfloat16
+    y = np.asarray(y, np.float64)
+    xb = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+    ref = moe_block_reference(family, block_params(block), xb, top_k, ids, adapters)
+    assert np.linalg.norm(y - ref) <= 1.5e-2 * np.linalg.norm(ref)
+    assert np.abs(y - ref).max() <= 3e-2 * np.abs(ref).max()

@@ -220,6 +220,26 @@ def test_state_types_and_routes():
     assert len(lora_leaves) == 8  # a_pool and b_pool of four projections
 
 
+def test_initializers_and_param_dtype_are_constructor_arguments():
+    zeros = nnx.initializers.zeros_init()
+    block = MoEBlock(H, I, E, K, kernel_init=zeros, router_kernel_init=zeros,
+                     param_dtype=jnp.bfloat16, max_loras=2, max_rank=8,
+                     lora_a_initializer=nnx.initializers.ones_init(),
+                     lora_b_initializer=nnx.initializers.constant(0.5), rngs=nnx.Rngs(0))
+    assert block.gate_proj.dtype == jnp.bfloat16 and block.router.kernel.dtype == jnp.float32
+    assert not np.asarray(block.gate_proj[...], np.float32).any()
+    assert not np.asarray(block.router.kernel[...]).any()
+    x, _ = inputs(12, 8)
+    y = block(x, None)
+    assert y.dtype == jnp.float32 and not np.asarray(y).any()  # zero experts: zero output
+    block.lora.init_adapter(1, rngs=nnx.Rngs(1), rank=4, projections=("gate",))
+    gate = block.lora.gate
+    np.testing.assert_array_equal(np.asarray(gate.a_pool[...])[gate.pool_slot(1, 3)][:4], 1.0)
+    np.testing.assert_array_equal(np.asarray(gate.b_pool[...])[gate.pool_slot(1, 3)][:, :4],
+                                  0.5)
+    assert not np.asarray(gate.a_pool[...])[gate.pool_slot(1, 3)][4:].any()  # rank padding
+
+
 def test_tables_follow_the_fixed_pool_layout(adapter_dirs):
     block, pool = loaded_block(adapter_dirs)
     gate = block.lora.gate
