@@ -34,6 +34,7 @@ from jax_moelora.nnx.reference import (
     route_reference,
 )
 from jax_moelora.nnx.routers import select_experts
+from jax_moelora.nnx.weights import load_transformers_weights
 from jax_moelora.peft import PeftAdapter, ProjectionLoRA
 
 E, H, I, T = 8, 32, 16, 40
@@ -239,3 +240,81 @@ def test_bf16_block_stays_near_the_reference(name):
     ref = moe_block_reference(family, block_params(block), xb, top_k, ids, adapters)
     assert np.linalg.norm(y - ref) <= 1.5e-2 * np.linalg.norm(ref)
     assert np.abs(y - ref).max() <= 3e-2 * np.abs(ref).max()
+
+
+def transformers_tensors(rng, name: str, block: MoEBlock, prefix: str) -> dict:
+    """Random tensors with transformers 5's key names and layouts for ``block``."""
+    r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    t = {}
+    if name == "gpt-oss":
+        t |= {"router.weight": r(E, H), "router.bias": r(E),
+              "experts.gate_up_proj": r(E, H, 2 * I), "experts.gate_up_proj_bias": r(E, 2 * I),
+              "experts.down_proj": r(E, I, H), "experts.down_proj_bias": r(E, H)}
+    else:
+        t |= {"gate.weight": r(E, H), "experts.gate_up_proj": r(E, 2 * I, H),
+              "experts.down_proj": r(E, H, I)}
+    if name == "deepseek-v3":
+        t["gate.e_score_correction_bias"] = r(E)
+    if block.shared_experts is not None:
+        S = block.family.n_shared_experts * I
+        t |= {"shared_experts.gate_proj.weight": r(S, H), "shared_experts.up_proj.weight": r(S, H),
+              "shared_experts.down_proj.weight": r(H, S)}
+    return {prefix + k: v for k, v in t.items()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_transformers_weights_load_into_the_block(name):
+    family, top_k = CASES[name]
+    block = MoEBlock(H, I, E, top_k, family=family, lora=False, rngs=nnx.Rngs(0))
+    prefix = "model.layers.0.mlp."
+    t = transformers_tensors(np.random.default_rng(6), name, block, prefix)
+    used = load_transformers_weights(block, t, prefix)
+    assert sorted(used) == sorted(t)
+    p = block_params(block)
+    # one token through one expert, written the way the torch modules compute it
+    x = np.random.default_rng(7).standard_normal(H)
+    if name == "gpt-oss":
+        gu = x @ t[prefix + "experts.gate_up_proj"][3] + t[prefix + "experts.gate_up_proj_bias"][3]
+        np.testing.assert_allclose(x @ p["gate_up_proj"][3] + p["gate_up_proj_bias"][3], gu,
+                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(x @ p["router"] + p["router_bias"],
+                                   t[prefix + "router.weight"] @ x + t[prefix + "router.bias"],
+                                   rtol=1e-5, atol=1e-5)
+    else:
+        gate, up = np.split(t[prefix + "experts.gate_up_proj"][3] @ x, 2)  # chunk(2, -1)
+        np.testing.assert_allclose(x @ p["gate_proj"][3], gate, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(x @ p["up_proj"][3], up, rtol=1e-5, atol=1e-5)
+        h = np.random.default_rng(8).standard_normal(I)
+        np.testing.assert_allclose(h @ p["down_proj"][3], t[prefix + "experts.down_proj"][3] @ h,
+                                   rtol=1e-5, atol=1e-5)
+    if block.shared_experts is not None:
+        np.testing.assert_allclose(x @ p["shared_gate"],
+                                   t[prefix + "shared_experts.gate_proj.weight"] @ x,
+                                   rtol=1e-5, atol=1e-5)
+    with jax.default_matmul_precision("highest"):
+        y = np.asarray(block(jnp.asarray(x[None], jnp.float32)), np.float64)
+    np.testing.assert_allclose(y, moe_block_reference(family, p, x[None], top_k),
+                               rtol=1e-4, atol=1e-4 * np.abs(y).max())
+    bad = dict(t)
+    bad[prefix + "experts.down_proj"] = bad[prefix + "experts.down_proj"][:, :, :-1]
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.experts.down_proj' has shape"):
+        load_transformers_weights(block, bad, prefix)
+    del bad[prefix + "experts.down_proj"]
+    with pytest.raises(KeyError, match="no tensor 'model.layers.0.mlp.experts.down_proj'"):
+        load_transformers_weights(block, bad, prefix)
+
+
+def test_per_expert_modules_load_like_fused_experts():
+    rng = np.random.default_rng(9)
+    fused = MoEBlock(H, I, E, 2, family="mixtral", lora=False, rngs=nnx.Rngs(0))
+    t = transformers_tensors(rng, "mixtral", fused, "")
+    load_transformers_weights(fused, t)
+    per = {"gate.weight": t["gate.weight"]}
+    for e in range(E):
+        per[f"experts.{e}.w1.weight"] = t["experts.gate_up_proj"][e, :I]
+        per[f"experts.{e}.w3.weight"] = t["experts.gate_up_proj"][e, I:]
+        per[f"experts.{e}.w2.weight"] = t["experts.down_proj"][e]
+    block = MoEBlock(H, I, E, 2, family="mixtral", lora=False, rngs=nnx.Rngs(1))
+    load_transformers_weights(block, per)
+    for k, v in block_params(fused).items():
+        np.testing.assert_array_equal(block_params(block)[k], v)

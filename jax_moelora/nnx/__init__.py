@@ -12,6 +12,9 @@
   adapter id (``-1`` = base model).
 - ``pool``: :class:`AdapterPool`, load, replace and unload adapters in a
   fixed-capacity pool without recompiling the model's step.
+- ``weights``: :func:`load_transformers_weights`, a transformers MoE layer's
+  base weights into a block.
+- ``reference``: the float64 NumPy reference of each family's block.
 
 Train LoRA weights with ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``: the
 pure-JAX folds (``impl="jnp"``) are differentiable, and so are the custom
@@ -39,6 +42,7 @@ from jax_moelora.nnx.lora import (
 )
 from jax_moelora.nnx.pool import AdapterPool
 from jax_moelora.nnx.routers import Router, ScoreCorrectionBias, select_experts
+from jax_moelora.nnx.weights import load_transformers_weights
 
 __all__ = [
     "AdapterPool",
@@ -62,5 +66,6 @@ __all__ = [
     "ScoreCorrectionBias",
     "SharedExperts",
     "family_config",
+    "load_transformers_weights",
     "select_experts",
 ]
