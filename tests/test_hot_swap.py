@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from jax_moelora.nnx import AdapterPool, DeepSeekV3, MoEBlock
-from jax_moelora.peft import PeftAdapter, ProjectionLoRA
+from jax_moelora.peft import AdapterFormatError, PeftAdapter, ProjectionLoRA
 
 E, H, I, K, T = 8, 32, 16, 2, 24
 #: families with router biases (gpt-oss) and shared-expert LoRA (DeepSeek-V3)
@@ -106,3 +106,28 @@ def test_a_decode_loop_keeps_running_across_swaps():
         h = decode_step(nnx.state(block), h, ids)
     assert np.isfinite(np.asarray(h)).all()
     assert len(traces) == 1 and decode_step._cache_size() == 1
+
+
+def test_full_pool_evicts_the_least_recently_used_adapter():
+    block = MoEBlock(H, I, E, K, max_loras=2, max_rank=8, rngs=nnx.Rngs(4))
+    pool = AdapterPool([block])
+    rng = np.random.default_rng(5)
+    ads = {n: random_adapter(rng, block, n, 4) for n in "abcd"}
+    pool.load(ads["a"])
+    pool.load(ads["b"])
+    with pytest.raises(ValueError, match="all 2 adapter slots are taken.*evict=True"):
+        pool.load(ads["c"])
+    pool.ids(["a", None])  # a used after b: b is the least recently used
+    assert pool.least_recently_used() == "b"
+    assert pool.load(ads["c"], evict=True) == 1 and pool.names == {"a": 0, "c": 1}
+    assert pool.least_recently_used() == "a"
+    wide = PeftAdapter(name="wide", path=None, config={}, layers={3: ads["d"].layers[0]})
+    with pytest.raises(AdapterFormatError, match="layer out of range"):
+        pool.load(wide, evict=True)  # rejected: nothing evicted
+    assert pool.names == {"a": 0, "c": 1}
+    # the evicted slot holds c exactly as a fresh pool would
+    fresh = MoEBlock(H, I, E, K, max_loras=2, max_rank=8, rngs=nnx.Rngs(4))
+    AdapterPool([fresh]).load(ads["c"], slot=1)
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    ones = jnp.ones((T,), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(block(x, ones)), np.asarray(fresh(x, ones)))

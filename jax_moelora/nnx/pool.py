@@ -33,9 +33,10 @@ class AdapterPool:
         blocks' family (interleaved for gpt-oss), else ``"halves"``.
 
     ``load`` puts an adapter (a :class:`PeftAdapter` or a PEFT folder) in a
-    free slot (or a given one), ``replace`` overwrites a slot, ``unload``
-    zeroes it. A load is validated against every layer before anything is
-    written, so a rejected adapter leaves the pool unchanged.
+    free slot (or a given one, or the least recently used one's with
+    ``evict=True``), ``replace`` overwrites a slot, ``unload`` zeroes it. A
+    load is validated against every layer before anything is written, so a
+    rejected adapter leaves the pool unchanged.
     """
 
     def __init__(self, layers: Sequence[MoELoRA | MoEBlock], *,
@@ -62,6 +63,8 @@ class AdapterPool:
         self.max_loras = found[0].max_loras
         self._slots: dict[str, int] = {}
         self._adapters: dict[int, PeftAdapter] = {}
+        self._last_used: dict[int, int] = {}  # slot -> tick of its last load or ids() use
+        self._tick = 0
 
     # -- queries ----------------------------------------------------------
     @property
@@ -91,9 +94,23 @@ class AdapterPool:
         return [s for s in range(self.max_loras) if s not in self._adapters]
 
     def ids(self, names: Sequence[str | None]) -> np.ndarray:
-        """Per-token adapter ids: ``None`` (or ``"base"``) -> -1, names -> slots."""
-        return np.asarray([-1 if n is None or n == "base" else self.slot_of(n) for n in names],
-                          np.int32)
+        """Per-token adapter ids: ``None`` (or ``"base"``) -> -1, names -> slots.
+        The adapters named count as used (see ``load(..., evict=True)``)."""
+        out = np.asarray([-1 if n is None or n == "base" else self.slot_of(n) for n in names],
+                         np.int32)
+        for slot in sorted(set(out[out >= 0].tolist())):
+            self._touch(slot)
+        return out
+
+    def least_recently_used(self) -> str | None:
+        """The installed adapter whose last load or ``ids()`` use is oldest."""
+        if not self._adapters:
+            return None
+        return self._adapters[min(self._adapters, key=self._last_used.__getitem__)].name
+
+    def _touch(self, slot: int) -> None:
+        self._tick += 1
+        self._last_used[slot] = self._tick
 
     # -- changes ----------------------------------------------------------
     def _resolve(self, adapter: PeftAdapter | str | os.PathLike) -> PeftAdapter:
@@ -120,8 +137,12 @@ class AdapterPool:
             lay.set_adapter(slot, adapter.layers.get(i, {}), where=f"layer {i} ")
 
     def load(self, adapter: PeftAdapter | str | os.PathLike, name: str | None = None, *,
-             slot: int | None = None) -> int:
-        """Install an adapter in a free slot (the lowest, or ``slot``); returns it."""
+             slot: int | None = None, evict: bool = False) -> int:
+        """Install an adapter in a free slot (the lowest, or ``slot``); returns it.
+
+        With ``evict=True`` and every slot taken, the least recently used
+        adapter (:meth:`least_recently_used`) is evicted and its slot
+        overwritten; a rejected adapter evicts nothing."""
         adapter = self._resolve(adapter)
         name = adapter.name if name is None else name
         if name in self._slots:
@@ -129,9 +150,14 @@ class AdapterPool:
                              f"{self._slots[name]}); use replace() or another name")
         if slot is None:
             free = self.free_slots()
+            if not free and evict:
+                victim = self.least_recently_used()
+                self._check(adapter)
+                return self.replace(victim, adapter, name)
             if not free:
                 raise ValueError(f"all {self.max_loras} adapter slots are taken "
-                                 f"({sorted(self._slots)}); unload one first")
+                                 f"({sorted(self._slots)}); unload one first, or pass "
+                                 f"evict=True")
             slot = free[0]
         elif not 0 <= slot < self.max_loras:
             raise ValueError(f"slot must be in [0, {self.max_loras}), got {slot}")
@@ -141,6 +167,7 @@ class AdapterPool:
         self._write(slot, adapter)
         self._slots[name] = slot
         self._adapters[slot] = _renamed(adapter, name)
+        self._touch(slot)
         return slot
 
     def replace(self, name_or_slot: str | int, adapter: PeftAdapter | str | os.PathLike,
@@ -157,6 +184,7 @@ class AdapterPool:
         del self._slots[old_name]
         self._slots[new_name] = slot
         self._adapters[slot] = _renamed(adapter, new_name)
+        self._touch(slot)
         return slot
 
     def unload(self, name_or_slot: str | int) -> int:
@@ -165,6 +193,7 @@ class AdapterPool:
         for lay in self.layers:
             lay.clear_adapter(slot)
         del self._slots[self._adapters.pop(slot).name]
+        del self._last_used[slot]
         return slot
 
 
