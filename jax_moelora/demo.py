@@ -3,10 +3,11 @@
 A small MoE model of the chosen family (embedding, ``--layers`` MoE layers with
 RMSNorm and residual, tied LM head; the attention sublayers are left out:
 this library folds the MoE part) with seeded random base weights. Three LoRA
-adapters are drawn at random, written as real PEFT folders (three different
-key layouts; gpt-oss's fused ``gate_up_proj`` interleaved) into a temporary
-folder, and loaded back into one adapter pool. DeepSeek's shared-expert LoRA
-pairs are drawn in memory and added to the loaded adapters.
+adapters are drawn at random, written as real PEFT folders (per-expert and
+``target_parameters`` key layouts; gpt-oss's fused ``gate_up_proj``
+interleaved) into a temporary folder, and loaded back into one adapter pool.
+DeepSeek's shared-expert LoRA pairs are drawn in memory and added to the
+loaded adapters.
 A mixed batch of streams (base model + the three adapters) runs a prefill
 and ``--steps`` greedy decode steps through one jitted step function; every
 layer's output is checked against the pure-JAX folds (``impl="jnp"``) on the
@@ -215,13 +216,9 @@ _ADAPTERS = (
 )
 
 #: The PEFT key layouts of the three adapters, per family: gpt-oss's experts
-#: are fused 3-D parameters, so its adapters use ``target_parameters`` forms
-#: (not the transposed one: with ``hidden == 2 * inter``, as here, its shapes
-#: cannot tell gate_up from its transpose).
-_LAYOUTS = {
-    "gpt-oss": ("target_parameters", "target_parameters_3d", "target_parameters"),
-}
-_DEFAULT_LAYOUTS = ("experts", "target_parameters", "gate_up")
+#: are fused 3-D parameters, which PEFT adapts with ``target_parameters`` only.
+_LAYOUTS = {"gpt-oss": ("target_parameters",) * 3}
+_DEFAULT_LAYOUTS = ("experts", "target_parameters", "target_parameters")
 
 
 def _random_factors(rng: np.random.Generator, cfg: ModelConfig, rank: int, down_rank: int,
@@ -276,8 +273,6 @@ def _write_and_load(folder: Path, cfg: ModelConfig, seed: int):
     layouts = _LAYOUTS.get(cfg.family, _DEFAULT_LAYOUTS)
     loaded = []
     for (name, r, alpha, rslora, pattern, projections), layout in zip(_ADAPTERS, layouts):
-        if layout not in ("experts", "gate_up"):
-            pattern = None
         down_r = (pattern or {}).get("down_proj", r)
         factors = _random_factors(rng, cfg, r, down_r, projections,
                                   shared_a=layout != "experts")

@@ -30,7 +30,7 @@ def test_demo_passes_on_tiny_sizes(tmp_path, capsys):
     assert result["passed"] and result["base_bitwise"]
     assert result["max_rel_error"] <= result["tolerance"]
     assert [a["layout"] for a in result["adapters"]] == ["experts", "target_parameters",
-                                                        "gate_up"]
+                                                        "target_parameters"]
     assert len(result["decode_step_s"]) == 2
 
 

@@ -217,15 +217,17 @@ def test_group_mask_fills_zero_as_transformers_does():
         assert not np.isin(np.asarray(ids[t]) // 2, kept[t]).any()
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["decode", "prefill"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_bf16_block_stays_near_the_reference(name):
-    """bf16 activations and weights (the default backend's folds): within the
-    roundings of bf16 of the float64 reference on the bf16 inputs."""
+def test_bf16_block_stays_near_the_reference(name, grouped):
+    """bf16 activations and weights (the default backend's folds: the fast
+    CUDA kernels on a GPU): within the roundings of bf16 of the float64
+    reference on the bf16 inputs."""
     family, top_k = CASES[name]
     normal = nnx.initializers.normal(0.5)
     block = MoEBlock(H, I, E, top_k, family=family, max_loras=3, max_rank=8,
                      dtype=jnp.bfloat16, bias_init=normal, router_bias_init=normal,
-                     rngs=nnx.Rngs(0))
+                     gather_max_rows=8 if grouped else 2048, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(1)
     adapters = []
     for slot, rank in enumerate((4, 8, 6)):

@@ -17,7 +17,7 @@ import numpy as np
 
 from jax_moelora.nnx.block import MoEBlock
 from jax_moelora.nnx.lora import MoELoRA
-from jax_moelora.peft import AdapterFormatError, PeftAdapter, load_peft_adapter
+from jax_moelora.peft import AdapterFormatError, PeftAdapter, ProjectionLoRA, load_peft_adapter
 
 __all__ = ["AdapterPool"]
 
@@ -124,7 +124,7 @@ class AdapterPool:
 
     def _check(self, adapter: PeftAdapter) -> None:
         n = len(self.layers)
-        for layer, projs in adapter.layers.items():
+        for layer, projs in _layer_projections(adapter).items():
             if layer >= n:
                 lora = next(iter(projs.values()))
                 raise AdapterFormatError(
@@ -133,8 +133,9 @@ class AdapterPool:
             self.layers[layer].check_adapter(projs, where=f"layer {layer} ")
 
     def _write(self, slot: int, adapter: PeftAdapter) -> None:
+        projections = _layer_projections(adapter)
         for i, lay in enumerate(self.layers):
-            lay.set_adapter(slot, adapter.layers.get(i, {}), where=f"layer {i} ")
+            lay.set_adapter(slot, projections.get(i, {}), where=f"layer {i} ")
 
     def load(self, adapter: PeftAdapter | str | os.PathLike, name: str | None = None, *,
              slot: int | None = None, evict: bool = False) -> int:
@@ -195,6 +196,17 @@ class AdapterPool:
         del self._slots[self._adapters.pop(slot).name]
         del self._last_used[slot]
         return slot
+
+
+def _layer_projections(adapter: PeftAdapter) -> dict[int, dict[str, ProjectionLoRA]]:
+    """``{layer: {projection: ProjectionLoRA}}`` in ``MoELoRA``'s names: the
+    adapter's layers, plus the pairs of its shared expert MLP (an adapter's
+    ``shared_experts``, ``{layer: {"gate" | "up" | "down": ...}}``) as
+    ``shared_gate``, ``shared_up`` and ``shared_down``."""
+    out = {layer: dict(projs) for layer, projs in adapter.layers.items()}
+    for layer, projs in getattr(adapter, "shared_experts", {}).items():
+        out.setdefault(layer, {}).update({f"shared_{p}": lora for p, lora in projs.items()})
+    return out
 
 
 def _renamed(adapter: PeftAdapter, name: str) -> PeftAdapter:
