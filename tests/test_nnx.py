@@ -419,3 +419,25 @@ def test_gradients_through_the_default_backend_match_jnp(adapter_dirs, grouped):
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
         assert np.linalg.norm(g - w) <= 1e-4 * np.linalg.norm(w)  # f32 summation order only
         assert np.abs(g - w).max() <= 1e-4 * np.abs(w).max()
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["gather", "grouped"])
+def test_one_plan_serves_every_fold_of_a_layer(adapter_dirs, grouped):
+    """The block's row plan (made once per call) folds exactly as
+    ``moe_lora_fold`` does for each projection on its own."""
+    from jax_moelora.ops.folds import fold_planned, moe_lora_fold, plan_rows
+
+    block, _ = loaded_block(adapter_dirs)
+    routes = block.lora.routes()
+    rng = np.random.default_rng(13)
+    topk = jnp.asarray(np.argsort(rng.random((40, E)), axis=1)[:, :K], jnp.int32)
+    x, ids = inputs(13, 40)
+    base = jnp.asarray(rng.standard_normal((40 * K, I)), jnp.float32)
+    plan = plan_rows(topk, E, gather_max_rows=8 if grouped else 2048)
+    assert plan.grouped == grouped
+    got = plan.to_flat_order(fold_planned(x, plan.to_plan_order(base), plan, routes.gate, ids,
+                                          x_gather=1))
+    want = moe_lora_fold(x, base, topk, routes.gate, ids, x_gather=1,
+                         gather_max_rows=8 if grouped else 2048)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not np.array_equal(np.asarray(got), np.asarray(base))

@@ -253,10 +253,6 @@ class RowPlan(NamedTuple):
     sorted_token_ids: jax.Array | None = None
 
     @property
-    def num_tokens(self) -> int:
-        return self.topk_ids.shape[0]
-
-    @property
     def top_k(self) -> int:
         return self.topk_ids.shape[1]
 
@@ -264,12 +260,6 @@ class RowPlan(NamedTuple):
         """int32 ``[n_slots]``: the expert id of each row, in plan order."""
         flat = self.topk_ids.reshape(-1)
         return flat[self.order] if self.grouped else flat
-
-    def row_tokens(self) -> jax.Array:
-        """int32 ``[n_slots]``: the token of each row, in plan order."""
-        if self.grouped:
-            return self.sorted_token_ids
-        return jnp.arange(self.topk_ids.size, dtype=jnp.int32) // self.top_k
 
     def to_plan_order(self, rows: jax.Array) -> jax.Array:
         """Flat token-major rows ``[n_slots, ...]`` -> plan order."""
