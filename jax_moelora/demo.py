@@ -1,15 +1,19 @@
-"""End-to-end demo: ``python -m jax_moelora demo``.
+"""End-to-end demo: ``python -m jax_moelora demo [--family qwen3|mixtral|gpt-oss|deepseek]``.
 
-A small Qwen3-MoE-shaped model (embedding, ``--layers`` MoE layers with
+A small MoE model of the chosen family (embedding, ``--layers`` MoE layers with
 RMSNorm and residual, tied LM head; the attention sublayers are left out:
 this library folds the MoE part) with seeded random base weights. Three LoRA
 adapters are drawn at random, written as real PEFT folders (per-expert and
-target_parameters key layouts) into a temporary folder, and loaded back into one adapter pool.
+``target_parameters`` key layouts; gpt-oss's fused ``gate_up_proj``
+interleaved) into a temporary folder, and loaded back into one adapter pool.
+DeepSeek's shared-expert LoRA pairs are drawn in memory and added to the
+loaded adapters.
 A mixed batch of streams (base model + the three adapters) runs a prefill
 and ``--steps`` greedy decode steps through one jitted step function; every
 layer's output is checked against the pure-JAX folds (``impl="jnp"``) on the
-same layer input, within three times the per-fold tolerance of docs/semantics.md §6
-(three folds chain in a layer), and the base-model streams must keep the bits
+same layer input, within three times the per-fold tolerance of
+docs/semantics.md §6 (three folds chain in a layer), and the base-model streams
+must keep the bits
 the same step gives with every stream on the base model.
 
 ``--timing`` measures instead the decode-step time of a stack of
@@ -39,16 +43,36 @@ from jax_moelora._optional import needs_extra
 
 with needs_extra("nnx", "the demo"):
     from flax import nnx
-from jax_moelora.nnx import AdapterPool, MoEBlock
+from jax_moelora.nnx import (
+    AdapterPool,
+    DeepSeekV2,
+    DeepSeekV3,
+    GptOss,
+    Mixtral,
+    MoEBlock,
+    MoEFamily,
+    Qwen3MoE,
+)
 from jax_moelora.ops.folds import IMPLS, resolve_impl
-from jax_moelora.peft import load_peft_adapter, save_peft_adapter
+from jax_moelora.peft import ProjectionLoRA, load_peft_adapter, save_peft_adapter
 
-__all__ = ["ModelConfig", "DemoModel", "SIZES", "TOLERANCES", "add_arguments", "run"]
+__all__ = ["ModelConfig", "DemoModel", "DEMO_FAMILIES", "SIZES", "TOLERANCES", "add_arguments",
+           "run"]
 
 #: Model shapes: "small" runs on a laptop CPU, "full" is Qwen3-30B-A3B's MoE.
 SIZES = {
     "small": dict(hidden=256, inter=128, experts=16, top_k=4, vocab=512),
     "full": dict(hidden=2048, inter=768, experts=128, top_k=8, vocab=4096),
+}
+
+#: The family configs the demo builds (``--family``); "deepseek" is DeepSeek-V3.
+DEMO_FAMILIES: dict[str, MoEFamily] = {
+    "qwen3": Qwen3MoE(),
+    "mixtral": Mixtral(),
+    "gpt-oss": GptOss(),
+    "deepseek": DeepSeekV3(n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared=1),
+    "deepseek-v2": DeepSeekV2(topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                              n_shared=2),
 }
 
 #: docs/semantics.md §6: relative error of the LoRA delta by norm, per dtype.
@@ -73,6 +97,7 @@ class ModelConfig:
     max_loras: int = 4
     max_rank: int = 16
     dtype: str = "float32"
+    family: str = "qwen3"
 
 
 class DemoModel(nnx.Module):
@@ -88,7 +113,8 @@ class DemoModel(nnx.Module):
         self.norms = nnx.List([nnx.RMSNorm(cfg.hidden, dtype=dt, param_dtype=dt, rngs=rngs)
                                for _ in range(cfg.layers)])
         self.blocks = nnx.List([
-            MoEBlock(cfg.hidden, cfg.inter, cfg.experts, cfg.top_k, max_loras=cfg.max_loras,
+            MoEBlock(cfg.hidden, cfg.inter, cfg.experts, cfg.top_k,
+                     family=DEMO_FAMILIES[cfg.family], max_loras=cfg.max_loras,
                      max_rank=cfg.max_rank, dtype=dt, impl=impl, expert_path=expert_path,
                      rngs=rngs)
             for _ in range(cfg.layers)])
@@ -120,6 +146,9 @@ class DemoModel(nnx.Module):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options (``python -m jax_moelora demo --help``)."""
+    parser.add_argument("--family", choices=list(DEMO_FAMILIES), default="qwen3",
+                        help="model family of the MoE blocks (default qwen3; deepseek is "
+                             "DeepSeek-V3)")
     parser.add_argument("--size", choices=sorted(SIZES), default=None,
                         help="model shape (default: small; full with --timing)")
     parser.add_argument("--layers", type=int, default=4, help="MoE layers (default 4)")
@@ -197,12 +226,17 @@ def run(args: argparse.Namespace) -> int:
 # adapters
 # --------------------------------------------------------------------------
 
-# name, layout, rank, alpha, use_rslora, rank_pattern, projections
+# name, rank, alpha, use_rslora, rank_pattern (per-expert layouts), projections
 _ADAPTERS = (
-    ("support-bot", "experts", 8, 16.0, False, None, ("router", "gate", "up", "down")),
-    ("sql-writer", "target_parameters", 16, 16.0, True, None, ("router", "gate", "up", "down")),
-    ("poet", "target_parameters", 4, 8.0, False, {"down_proj": 12}, ("gate", "up", "down")),
+    ("support-bot", 8, 16.0, False, None, ("router", "gate", "up", "down")),
+    ("sql-writer", 16, 16.0, True, None, ("router", "gate", "up", "down")),
+    ("poet", 4, 8.0, False, {"down_proj": 12}, ("gate", "up", "down")),
 )
+
+#: The PEFT key layouts of the three adapters, per family: gpt-oss's experts
+#: are fused 3-D parameters, which PEFT adapts with ``target_parameters`` only.
+_LAYOUTS = {"gpt-oss": ("target_parameters",) * 3}
+_DEFAULT_LAYOUTS = ("experts", "target_parameters", "target_parameters")
 
 
 def _random_factors(rng: np.random.Generator, cfg: ModelConfig, rank: int, down_rank: int,
@@ -229,26 +263,53 @@ def _random_factors(rng: np.random.Generator, cfg: ModelConfig, rank: int, down_
     return out
 
 
+def _shared_expert_lora(rng: np.random.Generator, cfg: ModelConfig, rank: int,
+                        scale: float) -> dict[int, dict[str, ProjectionLoRA]]:
+    """Random LoRA pairs for the shared-expert MLP of every layer (DeepSeek),
+    ``{layer: {"shared_gate" | "shared_up" | "shared_down": ProjectionLoRA}}``."""
+    H, S = cfg.hidden, DEMO_FAMILIES[cfg.family].n_shared_experts * cfg.inter
+    out = {}
+    for layer in range(cfg.layers):
+        projs = {}
+        for proj, (k, n) in (("shared_gate", (H, S)), ("shared_up", (H, S)),
+                             ("shared_down", (S, H))):
+            a = rng.standard_normal((rank, k), np.float32) / np.sqrt(k)
+            b = rng.standard_normal((n, rank), np.float32) * 0.5 / np.sqrt(rank)
+            projs[proj] = ProjectionLoRA.from_pairs(
+                {0: (a, b, scale, f"layers.{layer}.mlp.{proj}")})
+        out[layer] = projs
+    return out
+
+
 def _write_and_load(folder: Path, cfg: ModelConfig, seed: int):
-    """Write the three demo adapters as PEFT folders and read them back.
+    """Write the three demo adapters as PEFT folders and read them back; for
+    families with shared experts, add in-memory shared-expert pairs.
 
     Returns ``[(adapter, layout, factors, scales)]``."""
     rng = np.random.default_rng(seed + 1)
+    family = DEMO_FAMILIES[cfg.family]
+    layouts = _LAYOUTS.get(cfg.family, _DEFAULT_LAYOUTS)
     loaded = []
-    for name, layout, r, alpha, rslora, pattern, projections in _ADAPTERS:
+    for (name, r, alpha, rslora, pattern, projections), layout in zip(_ADAPTERS, layouts):
         down_r = (pattern or {}).get("down_proj", r)
         factors = _random_factors(rng, cfg, r, down_r, projections,
                                   shared_a=layout != "experts")
         path = save_peft_adapter(folder / name, factors, r=r, lora_alpha=alpha, layout=layout,
                                  use_rslora=rslora, rank_pattern=pattern,
-                                 base_model_name_or_path="demo/qwen3-moe-shaped")
+                                 gate_up_split=family.gate_up_split,
+                                 base_model_name_or_path=f"demo/{cfg.family}-shaped")
         adapter = load_peft_adapter(path, num_experts=cfg.experts, hidden_size=cfg.hidden,
-                                    intermediate_size=cfg.inter)
+                                    intermediate_size=cfg.inter,
+                                    gate_up_split=family.gate_up_split)
 
         def scale(rank):
             return alpha / np.sqrt(rank) if rslora else alpha / rank
 
         scales = {p: scale(down_r if p == "down" else r) for p in projections}
+        if family.n_shared_experts:
+            shared = _shared_expert_lora(rng, cfg, r, scale(r))
+            adapter = dataclasses.replace(adapter, layers={
+                layer: {**projs, **shared[layer]} for layer, projs in adapter.layers.items()})
         loaded.append((adapter, layout, factors, scales))
     return loaded
 
@@ -336,10 +397,10 @@ def _run_demo(args, impl: str, console) -> int:
 
     size = args.size or "small"
     dtype = _dtype_name(args)
-    cfg = ModelConfig(**SIZES[size], layers=args.layers, dtype=dtype)
+    cfg = ModelConfig(**SIZES[size], layers=args.layers, dtype=dtype, family=args.family)
     streams = args.tokens or 8
     plen, steps = args.prompt_len, args.steps
-    console.print(f"[bold]jax_moelora demo[/bold]: {size} Qwen3-MoE-shaped model, "
+    console.print(f"[bold]jax_moelora demo[/bold]: {size} {cfg.family} MoE model, "
                   f"{cfg.layers} layers, E {cfg.experts}, top_k {cfg.top_k}, hidden "
                   f"{cfg.hidden}, inter {cfg.inter}, {dtype}; impl {impl} on {_device()}")
     t_start = time.perf_counter()
@@ -358,7 +419,10 @@ def _run_demo(args, impl: str, console) -> int:
         roundtrip = 0.0
         for adapter, layout, factors, scales in _write_and_load(Path(tmp), cfg, args.seed):
             roundtrip = max(roundtrip, _roundtrip_error(adapter, factors, scales))
-            slot = pool.load(Path(tmp) / adapter.name)
+            # from the folder (the pool reads it with the family's gate_up split);
+            # with shared-expert pairs added in memory, the adapter object
+            shared = DEMO_FAMILIES[cfg.family].n_shared_experts
+            slot = pool.load(adapter if shared else Path(tmp) / adapter.name)
             adapters.append((adapter.name, layout, slot, adapter.max_rank, adapter.projections))
             progress.advance(task)
 
@@ -421,6 +485,7 @@ def _run_demo(args, impl: str, console) -> int:
                              f"cuda kernels: {_cuda_kernels()}")
     table.add_row("impl used", f"{impl} (requested {args.impl}); expert path "
                                f"{args.expert_path}")
+    table.add_row("family", f"{cfg.family}: {DEMO_FAMILIES[cfg.family]}")
     table.add_row("model", f"{cfg.layers} layers, E {cfg.experts}, top_k {cfg.top_k}, hidden "
                            f"{cfg.hidden}, inter {cfg.inter}, vocab {cfg.vocab}, {dtype}")
     for name, layout, slot, rank, projs in adapters:
@@ -464,7 +529,7 @@ def _install_random_adapters(model: DemoModel, rank: int, seed: int) -> None:
     """Fill every slot of every layer with random factors, on the device."""
     key = jax.random.key(seed + 7)
     for block in model.blocks:
-        for proj_name in ("router", "gate", "up", "down"):
+        for proj_name in block.lora.projections:
             proj = getattr(block.lora, proj_name)
             for slot in range(proj.max_loras):
                 key, ka, kb = jax.random.split(key, 3)
@@ -495,10 +560,11 @@ def _run_timing(args, impl: str, console) -> int:
     size = args.size or "full"
     dtype = _dtype_name(args)
     T = args.tokens or 64
-    cfg = ModelConfig(**SIZES[size], layers=args.layers, dtype=dtype, max_loras=4,
-                      max_rank=args.rank)
+    cfg = ModelConfig(**SIZES[size], layers=args.layers, dtype=dtype, family=args.family,
+                      max_loras=4, max_rank=args.rank)
     inner = args.steps
-    console.print(f"[bold]jax_moelora decode timing[/bold]: {cfg.layers} x MoE layer (E "
+    console.print(f"[bold]jax_moelora decode timing[/bold]: {cfg.layers} x {cfg.family} MoE "
+                  f"layer (E "
                   f"{cfg.experts}, top_k {cfg.top_k}, hidden {cfg.hidden}, inter {cfg.inter}), "
                   f"T {T}, rank {args.rank}, 4 adapters, {dtype}, impl {impl}, expert path "
                   f"{args.expert_path} on {_device()}")

@@ -34,6 +34,19 @@ def test_demo_passes_on_tiny_sizes(tmp_path, capsys):
     assert len(result["decode_step_s"]) == 2
 
 
+@pytest.mark.parametrize("family", ["mixtral", "gpt-oss", "deepseek"])
+def test_demo_runs_every_family(tmp_path, capsys, family):
+    """Each family's blocks, adapters (gpt-oss: interleaved fused gate_up;
+    DeepSeek: shared-expert LoRA too) and checks."""
+    out = tmp_path / "demo.json"
+    assert run_demo("--family", family, "--layers", "1", "--tokens", "4", "--prompt-len", "8",
+                    "--steps", "1", "--json", str(out)) == 0
+    assert "family" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["passed"] and result["config"]["family"] == family
+    assert result["roundtrip_error"] <= 1e-5
+
+
 def test_timing_mode_prints_the_overhead(tmp_path, capsys):
     out = tmp_path / "timing.json"
     assert run_demo("--timing", "--size", "small", "--layers", "1", "--tokens", "8",

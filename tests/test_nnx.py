@@ -220,6 +220,26 @@ def test_state_types_and_routes():
     assert len(lora_leaves) == 8  # a_pool and b_pool of four projections
 
 
+def test_initializers_and_param_dtype_are_constructor_arguments():
+    zeros = nnx.initializers.zeros_init()
+    block = MoEBlock(H, I, E, K, kernel_init=zeros, router_kernel_init=zeros,
+                     param_dtype=jnp.bfloat16, max_loras=2, max_rank=8,
+                     lora_a_initializer=nnx.initializers.ones_init(),
+                     lora_b_initializer=nnx.initializers.constant(0.5), rngs=nnx.Rngs(0))
+    assert block.gate_proj.dtype == jnp.bfloat16 and block.router.kernel.dtype == jnp.float32
+    assert not np.asarray(block.gate_proj[...], np.float32).any()
+    assert not np.asarray(block.router.kernel[...]).any()
+    x, _ = inputs(12, 8)
+    y = block(x, None)
+    assert y.dtype == jnp.float32 and not np.asarray(y).any()  # zero experts: zero output
+    block.lora.init_adapter(1, rngs=nnx.Rngs(1), rank=4, projections=("gate",))
+    gate = block.lora.gate
+    np.testing.assert_array_equal(np.asarray(gate.a_pool[...])[gate.pool_slot(1, 3)][:4], 1.0)
+    np.testing.assert_array_equal(np.asarray(gate.b_pool[...])[gate.pool_slot(1, 3)][:, :4],
+                                  0.5)
+    assert not np.asarray(gate.a_pool[...])[gate.pool_slot(1, 3)][4:].any()  # rank padding
+
+
 def test_tables_follow_the_fixed_pool_layout(adapter_dirs):
     block, pool = loaded_block(adapter_dirs)
     gate = block.lora.gate
@@ -405,3 +425,25 @@ def test_gradients_through_the_default_backend_match_jnp(adapter_dirs, grouped):
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
         assert np.linalg.norm(g - w) <= 1e-4 * np.linalg.norm(w)  # f32 summation order only
         assert np.abs(g - w).max() <= 1e-4 * np.abs(w).max()
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["gather", "grouped"])
+def test_one_plan_serves_every_fold_of_a_layer(adapter_dirs, grouped):
+    """The block's row plan (made once per call) folds exactly as
+    ``moe_lora_fold`` does for each projection on its own."""
+    from jax_moelora.ops.folds import fold_planned, moe_lora_fold, plan_rows
+
+    block, _ = loaded_block(adapter_dirs)
+    routes = block.lora.routes()
+    rng = np.random.default_rng(13)
+    topk = jnp.asarray(np.argsort(rng.random((40, E)), axis=1)[:, :K], jnp.int32)
+    x, ids = inputs(13, 40)
+    base = jnp.asarray(rng.standard_normal((40 * K, I)), jnp.float32)
+    plan = plan_rows(topk, E, gather_max_rows=8 if grouped else 2048)
+    assert plan.grouped == grouped
+    got = plan.to_flat_order(fold_planned(x, plan.to_plan_order(base), plan, routes.gate, ids,
+                                          x_gather=1))
+    want = moe_lora_fold(x, base, topk, routes.gate, ids, x_gather=1,
+                         gather_max_rows=8 if grouped else 2048)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not np.array_equal(np.asarray(got), np.asarray(base))

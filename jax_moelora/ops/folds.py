@@ -20,7 +20,7 @@ batches under ``jax.vmap`` into one call (``ops/batching.py``).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,8 @@ from jax_moelora.ops.stacked import StackedRoute, fold_stacked
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["moe_lora_gather_bgmv", "moe_lora_grouped_down", "moe_lora_fold", "resolve_impl",
-           "IMPLS", "GATHER_MAX_ROWS"]
+           "IMPLS", "GATHER_MAX_ROWS", "RowPlan", "plan_rows", "fold_planned",
+           "sort_rows_by_expert"]
 
 Impl = Literal["auto", "fast", "seed", "cpu", "jnp"]
 IMPLS = ("auto", "fast", "seed", "cpu", "jnp")
@@ -296,6 +297,88 @@ def sort_rows_by_expert(topk_ids: jax.Array, n_experts: int):
     return order, offsets, order // top_k
 
 
+class RowPlan(NamedTuple):
+    """The row order ``moe_lora_fold`` folds a batch in, shared by every fold of a layer.
+
+    ``grouped`` (a Python bool) says which fold runs: ``False``, the gather
+    fold on flat token-major rows ``t * top_k + k``; ``True``, the grouped
+    fold on rows stably sorted by expert. For a grouped plan ``order
+    [n_slots]`` maps sorted row -> flat row, ``inverse`` flat row -> sorted
+    row, ``expert_offsets [num_experts + 1]`` and ``sorted_token_ids
+    [n_slots]`` are ``sort_rows_by_expert``'s; for a gather plan they are
+    ``None``. ``topk_ids`` is the int32 ``[T, top_k]`` the plan was made from.
+    """
+
+    grouped: bool
+    topk_ids: jax.Array
+    order: jax.Array | None = None
+    inverse: jax.Array | None = None
+    expert_offsets: jax.Array | None = None
+    sorted_token_ids: jax.Array | None = None
+
+    @property
+    def top_k(self) -> int:
+        return self.topk_ids.shape[1]
+
+    def row_experts(self) -> jax.Array:
+        """int32 ``[n_slots]``: the expert id of each row, in plan order."""
+        flat = self.topk_ids.reshape(-1)
+        return flat[self.order] if self.grouped else flat
+
+    def to_plan_order(self, rows: jax.Array) -> jax.Array:
+        """Flat token-major rows ``[n_slots, ...]`` -> plan order."""
+        return _take_rows(rows, self.order) if self.grouped else rows
+
+    def to_flat_order(self, rows: jax.Array) -> jax.Array:
+        """Rows in plan order ``[n_slots, ...]`` -> flat token-major order."""
+        return _take_rows(rows, self.inverse) if self.grouped else rows
+
+
+def plan_rows(topk_ids: jax.Array, num_experts: int, *,
+              gather_max_rows: int = GATHER_MAX_ROWS) -> RowPlan:
+    """The plan ``moe_lora_fold`` uses for ``topk_ids`` (int32 ``[T, top_k]``).
+
+    Batches of at most ``gather_max_rows`` flat rows keep flat order (gather
+    fold); larger ones are sorted by expert over ``num_experts`` experts
+    (traced jnp, no host sync). ``num_experts`` must cover every route folded
+    with the plan (``>= route.n_experts``)."""
+    n_slots = topk_ids.shape[0] * topk_ids.shape[1]
+    if n_slots <= gather_max_rows:
+        return RowPlan(False, topk_ids)
+    order, offsets, sorted_tok = sort_rows_by_expert(topk_ids, num_experts)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n_slots, dtype=jnp.int32))
+    return RowPlan(True, topk_ids, order, inverse, offsets, sorted_tok)
+
+
+def fold_planned(x: jax.Array, base_out: jax.Array, plan: RowPlan,
+                 route: MoeExpertRoute | StackedRoute, row_adapter: jax.Array | None = None, *,
+                 x_gather: int, impl: Impl = "auto", validate: bool = False) -> jax.Array:
+    """Fold rows kept in ``plan``'s order: the gather fold for a flat plan, the
+    grouped fold for a sorted one.
+
+    Args:
+      x: ``[T, k_in]`` (``x_gather=1``) or ``[T * top_k, k_in]`` in plan
+        order (``x_gather=0``).
+      base_out: ``[T * top_k, n_out]`` in plan order (``[S, T * top_k, n_out]``
+        with a ``StackedRoute`` of ``S`` projections: one launch).
+      plan: from :func:`plan_rows`.
+      route, row_adapter, impl, validate: as for ``moe_lora_gather_bgmv``.
+
+    Returns:
+      ``[T * top_k, n_out]`` (or ``[S, T * top_k, n_out]``) in plan order.
+    """
+    if plan.grouped:
+        if plan.expert_offsets.shape[0] < route.n_experts + 1:
+            raise ValueError(f"fold_planned: the plan sorts {plan.expert_offsets.shape[0] - 1} "
+                             f"experts, the route has {route.n_experts}")
+        return moe_lora_grouped_down(x, base_out, plan.expert_offsets, plan.sorted_token_ids,
+                                     route, row_adapter, x_gather=x_gather, impl=impl,
+                                     validate=validate)
+    return moe_lora_gather_bgmv(x, base_out, plan.topk_ids.reshape(-1), route, row_adapter,
+                                top_k=plan.top_k, x_gather=x_gather, impl=impl,
+                                validate=validate)
+
+
 def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route: MoeExpertRoute,
                   row_adapter: jax.Array | None = None, *, x_gather: int,
                   impl: Impl = "auto", gather_max_rows: int = GATHER_MAX_ROWS,
@@ -344,16 +427,11 @@ def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route:
     if row_adapter is not None and _int_array("row_adapter", row_adapter)[0] != ts[0]:
         raise ValueError(f"moe_lora_fold: row_adapter has {row_adapter.shape[0]} entries, the "
                          f"batch has {ts[0]} tokens")
-    if n_slots <= gather_max_rows:
-        return moe_lora_gather_bgmv(x, base_out, topk_ids.reshape(-1), route, row_adapter,
-                                    top_k=top_k, x_gather=x_gather, impl=impl, validate=validate)
-    order, offsets, sorted_tok = sort_rows_by_expert(topk_ids, route.n_experts)
-    xs = x if x_gather else _take_rows(x, order)
-    folded = moe_lora_grouped_down(xs, _take_rows(base_out, order), offsets, sorted_tok, route,
-                                   row_adapter, x_gather=x_gather, impl=impl,
-                                   validate=validate)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n_slots, dtype=jnp.int32))
-    return _take_rows(folded, inverse)
+    plan = plan_rows(topk_ids, route.n_experts, gather_max_rows=gather_max_rows)
+    xs = x if x_gather else plan.to_plan_order(x)
+    folded = fold_planned(xs, plan.to_plan_order(base_out), plan, route, row_adapter,
+                          x_gather=x_gather, impl=impl, validate=validate)
+    return plan.to_flat_order(folded)
 
 
 def _take_rows(v, rows):

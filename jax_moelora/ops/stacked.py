@@ -48,6 +48,11 @@ class StackedRoute:
     def num_routes(self) -> int:
         return int(self.a_pool.shape[0])
 
+    @property
+    def n_experts(self) -> int:
+        """``E_t`` of every projection (the tables' length)."""
+        return int(self.a_table.shape[-1])
+
     def route(self, s: int) -> MoeExpertRoute:
         """Projection ``s`` (a slice of every array)."""
         return _single(tuple(getattr(self, n)[s] for n in self.__slots__))

@@ -1,0 +1,244 @@
+"""The sparse MoE block with multi-adapter LoRA on the router and every expert.
+
+``y = sum_k w_k * expert_{e_k}(x) (+ shared(x))``: the router picks the top-k
+experts ``e_k`` and their weights ``w_k`` with its family's rule, each expert
+and the shared MLP run their projections plus the LoRA delta ``scale *
+(x @ A^T) @ B^T`` of the token's adapter. The deltas are folded by the
+library's folds, in the row order ``plan_rows`` chooses for the batch (flat
+rows and the gather fold for decode, rows sorted by expert and the grouped
+fold for prefill), computed once per call and shared by the three expert
+folds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_moelora.nnx.experts import (
+    ExpertRows,
+    GluExperts,
+    GptOssExperts,
+    SharedExperts,
+    default_expert_init,
+)
+from jax_moelora.nnx.families import MoEFamily, family_config
+from jax_moelora.nnx.lora import MoELoRA, MoELoRARoutes, default_a_initializer
+from jax_moelora.nnx.routers import Router
+from jax_moelora.ops.folds import (
+    GATHER_MAX_ROWS,
+    fold_planned,
+    moe_lora_gather_bgmv,
+    plan_rows,
+)
+
+__all__ = ["MoEBlock"]
+
+Array = jax.Array
+ExpertPathOption = Literal["auto", "dense", "ragged"]
+
+
+def _fold_dense(x: Array, base: Array, route, adapter_ids: Array, impl: str) -> Array:
+    """A one-entry route (router, shared experts) folded over tokens ``[T, .]``."""
+    zeros = jnp.zeros((x.shape[0],), jnp.int32)
+    return moe_lora_gather_bgmv(x, base, zeros, route, adapter_ids, top_k=1, x_gather=0,
+                                impl=impl)
+
+
+class MoEBlock(nnx.Module):
+    """A sparse MoE block of one of the families in ``families.py``, with
+    per-token LoRA adapters.
+
+    Args:
+      hidden_size, intermediate_size, num_experts, top_k: the layer's shape
+        (``intermediate_size`` is one routed expert's width).
+      family: a family config (:class:`Qwen3MoE`, :class:`Mixtral`,
+        :class:`GptOss`, :class:`DeepSeekV2`, :class:`DeepSeekV3`) or its name
+        (``"qwen3"``, ``"mixtral"``, ``"gpt-oss"``, ``"deepseek-v2"``,
+        ``"deepseek-v3"``); default Qwen3-MoE.
+      norm_topk_prob: overrides the family's ``norm_topk_prob`` (families
+        that have the flag only).
+      max_loras, max_rank: the LoRA pools (see :class:`MoELoRA`).
+      dtype: the activation dtype (and the expert LoRA pools').
+      param_dtype: the base weights' dtype (default ``dtype``).
+      router_dtype: the router's dtype (its weight, logits, LoRA pools).
+      impl: fold backend (``"auto"``, ``"fast"``, ``"seed"``, ``"cpu"``,
+        ``"jnp"``; every one is differentiable).
+      expert_path: base expert matmuls: ``"ragged"`` (``jax.lax.ragged_dot``
+        over rows sorted by expert), ``"dense"`` (every expert on every token,
+        then the chosen rows), or ``"auto"`` (dense for batches that take the
+        gather fold, ragged otherwise).
+      gather_max_rows: batches of at most this many ``T * top_k`` rows fold
+        with the gather fold in flat row order (decode); larger ones are
+        sorted by expert once and take the grouped fold (prefill).
+      lora: build the LoRA state (``False``: a plain MoE block).
+      kernel_init: initializer of the routed experts' ``[E, K, N]`` weights
+        (and of the shared experts' kernels).
+      bias_init: initializer of the expert biases (gpt-oss).
+      router_kernel_init, router_bias_init: the router's (``None``:
+        ``nnx.Linear``'s defaults).
+      lora_a_initializer, lora_b_initializer: a fresh adapter's factors
+        (:meth:`MoELoRA.init_adapter`).
+      rngs: initialisation keys.
+
+    State: ``router`` (:class:`Router`, kernel ``[H, E]``), ``experts``
+    (:class:`GluExperts` or :class:`GptOssExperts`), ``shared_experts``
+    (:class:`SharedExperts` of width ``n_shared * I``, or ``None``), ``lora``
+    (:class:`MoELoRA` or ``None``).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 *, family: MoEFamily | str | None = None, norm_topk_prob: bool | None = None,
+                 max_loras: int = 4, max_rank: int = 16, dtype: Any = jnp.float32,
+                 param_dtype: Any = None, router_dtype: Any = jnp.float32,
+                 impl: str = "auto", expert_path: ExpertPathOption = "auto",
+                 gather_max_rows: int = GATHER_MAX_ROWS, lora: bool = True,
+                 kernel_init: Any = default_expert_init,
+                 bias_init: Any = nnx.initializers.zeros_init(),
+                 router_kernel_init: Any = None, router_bias_init: Any = None,
+                 lora_a_initializer: Any = default_a_initializer,
+                 lora_b_initializer: Any = nnx.initializers.zeros_init(), rngs: nnx.Rngs):
+        family = family_config(family)
+        if norm_topk_prob is not None:
+            if "norm_topk_prob" not in {f.name for f in dataclasses.fields(family)}:
+                raise ValueError(f"norm_topk_prob: the {family.name} family has no such option")
+            family = dataclasses.replace(family, norm_topk_prob=bool(norm_topk_prob))
+        family.check(num_experts, top_k)
+        if expert_path not in ("auto", "dense", "ragged"):
+            raise ValueError(
+                f"expert_path must be 'auto', 'dense' or 'ragged', got {expert_path!r}")
+        H, I, E = hidden_size, intermediate_size, num_experts
+        self.hidden_size, self.intermediate_size, self.num_experts = H, I, E
+        self.top_k, self.family = int(top_k), family
+        self.dtype, self.router_dtype = jnp.dtype(dtype), jnp.dtype(router_dtype)
+        self.param_dtype = self.dtype if param_dtype is None else jnp.dtype(param_dtype)
+        self.impl, self.expert_path = impl, expert_path
+        self.gather_max_rows = int(gather_max_rows)
+        self.router = Router(H, E, family=family, top_k=top_k, dtype=router_dtype,
+                             param_dtype=router_dtype, kernel_init=router_kernel_init,
+                             bias_init=router_bias_init, rngs=rngs)
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=kernel_init,
+                  rngs=rngs)
+        if family.experts == "gpt_oss":
+            self.experts = GptOssExperts(H, I, E, family=family, bias_init=bias_init, **kw)
+        else:
+            self.experts = GluExperts(H, I, E, **kw)
+        shared = family.n_shared_experts * I
+        self.shared_experts = (SharedExperts(H, shared, dtype=self.dtype,
+                                             param_dtype=self.param_dtype, rngs=rngs)
+                               if shared else None)
+        self.lora = (MoELoRA(hidden_size=H, intermediate_size=I, num_experts=E,
+                             shared_intermediate_size=shared, max_loras=max_loras,
+                             max_rank=max_rank, dtype=dtype, router_dtype=router_dtype,
+                             a_initializer=lora_a_initializer,
+                             b_initializer=lora_b_initializer) if lora else None)
+
+    # The routed experts' weights under the names of the GLU families.
+    @property
+    def gate_proj(self) -> nnx.Param:
+        return self.experts.gate_proj
+
+    @property
+    def up_proj(self) -> nnx.Param:
+        return self.experts.up_proj
+
+    @property
+    def down_proj(self) -> nnx.Param:
+        return self.experts.down_proj
+
+    @property
+    def norm_topk_prob(self) -> bool | None:
+        return getattr(self.family, "norm_topk_prob", None)
+
+    def route(self, x: Array, adapter_ids: Array | None, routes: MoELoRARoutes | None,
+              impl: str) -> tuple[Array, Array]:
+        """Router with its LoRA delta -> ``(weights f32 [T, k], ids int32 [T, k])``.
+
+        ``x [T, H]``; the router's delta is its one-entry route folded into
+        the logits (gather fold, all-zero expert ids, ``top_k = 1``,
+        ``x_gather = 0``) before the family's choice."""
+        xr = x.astype(self.router_dtype)
+        logits = self.router(xr)
+        if routes is not None:
+            logits = _fold_dense(xr, logits, routes.router, adapter_ids, impl)
+        return self.router.select(logits)
+
+    def _path(self, grouped: bool) -> str:
+        if self.expert_path != "auto":
+            return self.expert_path
+        return "ragged" if grouped else "dense"
+
+    def routed(self, x: Array, weights: Array, topk_ids: Array, adapter_ids: Array | None,
+               routes: MoELoRARoutes | None, impl: str) -> Array:
+        """The routed experts' weighted sum ``[T, H]`` (float32) for tokens ``x [T, H]``."""
+        t, k = topk_ids.shape
+        plan = plan_rows(topk_ids, self.num_experts, gather_max_rows=self.gather_max_rows)
+        rows = ExpertRows.make(plan, self._path(plan.grouped), self.num_experts)
+        g, u = self.experts.first(x, rows)
+        if routes is not None:
+            g = fold_planned(x, g, plan, routes.gate, adapter_ids, x_gather=1, impl=impl)
+            u = fold_planned(x, u, plan, routes.up, adapter_ids, x_gather=1, impl=impl)
+        h = self.experts.activation(g, u)
+        d = self.experts.down(h, rows)
+        if routes is not None:
+            d = fold_planned(h, d, plan, routes.down, adapter_ids, x_gather=0, impl=impl)
+        d = plan.to_flat_order(d)
+        return jnp.einsum("tk,tkh->th", weights, d.reshape(t, k, -1).astype(jnp.float32))
+
+    def shared(self, x: Array, adapter_ids: Array | None, routes: MoELoRARoutes | None,
+               impl: str) -> Array:
+        """The shared experts' output ``[T, H]`` (``dtype``) with their LoRA deltas."""
+        mlp = self.shared_experts
+        g, u = mlp.first(x)
+        if routes is not None:
+            g = _fold_dense(x, g, routes.shared_gate, adapter_ids, impl)
+            u = _fold_dense(x, u, routes.shared_up, adapter_ids, impl)
+        h = mlp.activation(g, u)
+        d = mlp.down(h)
+        if routes is not None:
+            d = _fold_dense(h, d, routes.shared_down, adapter_ids, impl)
+        return d
+
+    def __call__(self, x: Array, adapter_ids: Array | None = None, *, impl: str | None = None,
+                 use_lora: bool = True) -> Array:
+        """Run the block.
+
+        Args:
+          x: ``[..., H]`` activations (cast to ``dtype``).
+          adapter_ids: int ``[...]`` (``x``'s leading shape): each token's
+            adapter slot, ``-1`` for the base model (a slot ``>= max_loras``
+            folds nothing). ``None``, or a block built with ``lora=False``:
+            every token uses the base model.
+          impl: fold backend for this call (default: the block's ``impl``).
+          use_lora: ``False`` runs the plain block with no fold at all.
+
+        Returns:
+          ``[..., H]`` in ``dtype``.
+        """
+        lead = x.shape[:-1]
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"MoEBlock: x has width {x.shape[-1]}, hidden_size is "
+                             f"{self.hidden_size}")
+        x2 = x.reshape(-1, self.hidden_size).astype(self.dtype)
+        impl = self.impl if impl is None else impl
+        routes = None
+        if use_lora and self.lora is not None and adapter_ids is not None:
+            ids = jnp.asarray(adapter_ids)
+            if ids.shape != lead:
+                raise ValueError(f"MoEBlock: adapter_ids has shape {ids.shape}, x's tokens are "
+                                 f"{lead}")
+            if not jnp.issubdtype(ids.dtype, jnp.integer):
+                raise TypeError(f"MoEBlock: adapter_ids must be integers, got {ids.dtype}")
+            adapter_ids = ids.reshape(-1).astype(jnp.int32)
+            routes = self.lora.routes()
+        else:
+            adapter_ids = None
+        weights, topk_ids = self.route(x2, adapter_ids, routes, impl)
+        y = self.routed(x2, weights, topk_ids, adapter_ids, routes, impl).astype(self.dtype)
+        if self.shared_experts is not None:
+            y = y + self.shared(x2, adapter_ids, routes, impl)
+        return y.reshape(*lead, self.hidden_size)

@@ -1,0 +1,248 @@
+"""Expert MLPs: the base matmuls, biases and activations of the routed experts,
+and the shared-expert MLP of DeepSeek layers.
+
+Routed experts work on the rows of a :class:`ExpertRows` (``T * top_k`` rows,
+token ``t``'s slot ``k`` in flat order ``t * top_k + k`` or sorted by expert,
+as the fold plan says); their LoRA deltas are folded by the block between
+:meth:`first` (gate and up) and :meth:`down`. Base matmuls take one of two
+paths: ``"ragged"`` (``jax.lax.ragged_dot`` on rows sorted by expert) or
+``"dense"`` (every expert on every token, then the chosen rows: cheap for
+decode-sized batches).
+
+- :class:`GluExperts`: bias-free ``gate_proj``, ``up_proj [E, H, I]`` and
+  ``down_proj [E, I, H]``, ``silu(gate) * up`` (Qwen3-MoE, Mixtral, DeepSeek).
+- :class:`GptOssExperts`: fused ``gate_up_proj [E, H, 2I]`` (gate on even
+  columns, up on odd ones) with ``gate_up_proj_bias [E, 2I]``, ``down_proj
+  [E, I, H]`` with ``down_proj_bias [E, H]``, and gpt-oss's clamped gated
+  activation.
+- :class:`SharedExperts`: a dense SiLU-GLU MLP ``H -> I_s -> H`` applied to
+  every token (``nnx.Linear`` layers without bias).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_moelora.nnx.families import GptOss
+from jax_moelora.ops.folds import RowPlan, plan_rows
+
+__all__ = ["ExpertPath", "ExpertRows", "GluExperts", "GptOssExperts", "SharedExperts",
+           "default_expert_init", "expert_matmul"]
+
+Array = jax.Array
+ExpertPath = Literal["dense", "ragged"]
+
+#: LeCun normal over each expert's ``[K, N]`` matrix of ``[E, K, N]`` weights.
+default_expert_init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+
+
+class ExpertRows(NamedTuple):
+    """The rows the routed experts compute, and how the base matmuls run.
+
+    ``plan``: the fold plan (flat or sorted rows). ``path``: ``"dense"`` or
+    ``"ragged"``. ``ragged``: the plan sorted by expert that ``ragged_dot``
+    reads (``plan`` itself when it is sorted; ``None`` on the dense path).
+    """
+
+    plan: RowPlan
+    path: str
+    ragged: RowPlan | None
+
+    @classmethod
+    def make(cls, plan: RowPlan, path: ExpertPath, num_experts: int) -> "ExpertRows":
+        if path == "dense" or plan.grouped:
+            return cls(plan, path, plan if path == "ragged" else None)
+        return cls(plan, path, plan_rows(plan.topk_ids, num_experts, gather_max_rows=0))
+
+    def experts(self) -> Array:
+        """int32 ``[T * top_k]``: each row's expert, in plan order."""
+        return self.plan.row_experts()
+
+
+def _take_slots(all_out: Array, topk_ids: Array) -> Array:
+    """``all_out [E, T, N]`` -> flat rows ``[T * k, N]`` of the chosen experts."""
+    t, k = topk_ids.shape
+    return all_out[topk_ids, jnp.arange(t)[:, None]].reshape(t * k, -1)
+
+
+def _dense_tokens(x: Array, w: Array, topk_ids: Array) -> Array:
+    """Every expert on every token ``x [T, K]``, then the chosen ones: ``[T * k, N]``.
+
+    Written as a matmul batched over experts (``x`` broadcast), so ``w
+    [E, K, N]`` is read in place: the unbatched ``"tk,ekn->ten"`` makes XLA
+    transpose the whole weight on every call."""
+    xb = jnp.broadcast_to(x[None], (w.shape[0],) + x.shape)
+    return _take_slots(jnp.einsum("etk,ekn->etn", xb, w), topk_ids)
+
+
+def _dense_rows(h: Array, w: Array, topk_ids: Array) -> Array:
+    """Flat per-row inputs ``h [T * k, K]`` through their own expert: ``[T * k, N]``.
+
+    Rows are scattered to ``[E, T, K]`` (zeros elsewhere: a token's top-k
+    experts are distinct) and multiplied expert by expert."""
+    t, k = topk_ids.shape
+    scat = jnp.zeros((w.shape[0], t, h.shape[-1]), h.dtype)
+    scat = scat.at[topk_ids, jnp.arange(t)[:, None]].set(h.reshape(t, k, -1))
+    return _take_slots(jnp.einsum("etk,ekn->etn", scat, w), topk_ids)
+
+
+def expert_matmul(x: Array, w: Array, rows: ExpertRows, *, x_gather: bool) -> Array:
+    """Each row through its expert's ``w [E, K, N]``: ``[T * top_k, N]`` in plan order.
+
+    Args:
+      x: ``[T, K]`` tokens (``x_gather``: row ``r`` reads its token) or
+        ``[T * top_k, K]`` rows in plan order.
+      w: the experts' weights, ``x``'s dtype.
+      rows: the rows and the matmul path.
+    """
+    plan = rows.plan
+    if rows.path == "ragged":
+        srt = rows.ragged
+        sizes = jnp.diff(srt.expert_offsets)
+        if x_gather:
+            xs = x[srt.sorted_token_ids]
+        else:
+            xs = x if plan.grouped else srt.to_plan_order(x)
+        out = jax.lax.ragged_dot(xs, w, sizes)
+        return out if plan.grouped else srt.to_flat_order(out)
+    if x_gather:
+        out = _dense_tokens(x, w, plan.topk_ids)
+    else:
+        out = _dense_rows(plan.to_flat_order(x), w, plan.topk_ids)
+    return plan.to_plan_order(out)
+
+
+def _f32(v: Array) -> Array:
+    return v.astype(jnp.float32)
+
+
+class GluExperts(nnx.Module):
+    """Bias-free SiLU-GLU experts: ``down(silu(gate(x)) * up(x))``.
+
+    Args:
+      hidden_size, intermediate_size, num_experts: ``H``, ``I``, ``E``.
+      dtype: the computation dtype (weights are cast to it).
+      param_dtype: the weights' dtype.
+      kernel_init: initializer of each ``[E, K, N]`` weight.
+      rngs: initialisation keys.
+
+    State: ``gate_proj``, ``up_proj`` (``nnx.Param [E, H, I]``), ``down_proj``
+    (``nnx.Param [E, I, H]``).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, *,
+                 dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+                 kernel_init: Any = default_expert_init, rngs: nnx.Rngs):
+        H, I, E = hidden_size, intermediate_size, num_experts
+        self.dtype, self.param_dtype = jnp.dtype(dtype), jnp.dtype(param_dtype)
+        self.gate_proj = nnx.Param(kernel_init(rngs.params(), (E, H, I), self.param_dtype))
+        self.up_proj = nnx.Param(kernel_init(rngs.params(), (E, H, I), self.param_dtype))
+        self.down_proj = nnx.Param(kernel_init(rngs.params(), (E, I, H), self.param_dtype))
+
+    def first(self, x: Array, rows: ExpertRows) -> tuple[Array, Array]:
+        """Tokens ``x [T, H]`` -> base ``(gate, up)`` rows ``[T * top_k, I]`` each."""
+        g = expert_matmul(x, self.gate_proj[...].astype(self.dtype), rows, x_gather=True)
+        u = expert_matmul(x, self.up_proj[...].astype(self.dtype), rows, x_gather=True)
+        return g, u
+
+    def activation(self, g: Array, u: Array) -> Array:
+        """``silu(g) * u`` in float32, rounded once to the activation dtype (so
+        the result does not depend on how XLA fuses the elementwise ops)."""
+        return (jax.nn.silu(_f32(g)) * _f32(u)).astype(g.dtype)
+
+    def down(self, h: Array, rows: ExpertRows) -> Array:
+        """Rows ``h [T * top_k, I]`` -> base down rows ``[T * top_k, H]``."""
+        return expert_matmul(h, self.down_proj[...].astype(self.dtype), rows, x_gather=False)
+
+
+class GptOssExperts(nnx.Module):
+    """gpt-oss experts: fused interleaved gate/up with biases, clamped gated
+    activation, down with a bias.
+
+    Args:
+      hidden_size, intermediate_size, num_experts: ``H``, ``I``, ``E``.
+      family: the :class:`GptOss` config (``alpha``, ``limit``).
+      dtype, param_dtype, kernel_init, rngs: as :class:`GluExperts`.
+      bias_init: initializer of the biases.
+
+    State: ``gate_up_proj [E, H, 2I]`` (gate on even columns, up on odd
+    ones), ``gate_up_proj_bias [E, 2I]``, ``down_proj [E, I, H]``,
+    ``down_proj_bias [E, H]`` (``nnx.Param``).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, *,
+                 family: GptOss, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+                 kernel_init: Any = default_expert_init,
+                 bias_init: Any = nnx.initializers.zeros_init(), rngs: nnx.Rngs):
+        H, I, E = hidden_size, intermediate_size, num_experts
+        self.dtype, self.param_dtype = jnp.dtype(dtype), jnp.dtype(param_dtype)
+        self.alpha, self.limit = float(family.alpha), float(family.limit)
+        pd = self.param_dtype
+        self.gate_up_proj = nnx.Param(kernel_init(rngs.params(), (E, H, 2 * I), pd))
+        self.gate_up_proj_bias = nnx.Param(bias_init(rngs.params(), (E, 2 * I), pd))
+        self.down_proj = nnx.Param(kernel_init(rngs.params(), (E, I, H), pd))
+        self.down_proj_bias = nnx.Param(bias_init(rngs.params(), (E, H), pd))
+
+    def first(self, x: Array, rows: ExpertRows) -> tuple[Array, Array]:
+        """Tokens ``x [T, H]`` -> base ``(gate, up)`` rows ``[T * top_k, I]``
+        each, biases included (the even and odd columns of ``gate_up``)."""
+        gu = expert_matmul(x, self.gate_up_proj[...].astype(self.dtype), rows, x_gather=True)
+        gu = gu + self.gate_up_proj_bias[...].astype(self.dtype)[rows.experts()]
+        return gu[:, 0::2], gu[:, 1::2]
+
+    def activation(self, g: Array, u: Array) -> Array:
+        """``(clip(u, -limit, limit) + 1) * gc * sigmoid(alpha * gc)`` with
+        ``gc = min(g, limit)``, in float32, rounded once."""
+        gc = jnp.minimum(_f32(g), self.limit)
+        uc = jnp.clip(_f32(u), -self.limit, self.limit)
+        return ((uc + 1.0) * (gc * jax.nn.sigmoid(self.alpha * gc))).astype(g.dtype)
+
+    def down(self, h: Array, rows: ExpertRows) -> Array:
+        """Rows ``h [T * top_k, I]`` -> base down rows ``[T * top_k, H]``, bias included."""
+        d = expert_matmul(h, self.down_proj[...].astype(self.dtype), rows, x_gather=False)
+        return d + self.down_proj_bias[...].astype(self.dtype)[rows.experts()]
+
+
+class SharedExperts(nnx.Module):
+    """DeepSeek's shared experts: one dense SiLU-GLU MLP ``H -> I_s -> H``.
+
+    Args:
+      hidden_size: ``H``.
+      intermediate_size: ``I_s`` (``n_shared * moe_intermediate_size``).
+      dtype, param_dtype: computation and weight dtypes.
+      kernel_init: initializer of the ``[in, out]`` kernels.
+      rngs: initialisation keys.
+
+    State: ``gate_proj``, ``up_proj`` (``nnx.Linear``, kernel ``[H, I_s]``),
+    ``down_proj`` (kernel ``[I_s, H]``), no biases. The block folds the
+    ``shared_*`` LoRA deltas between :meth:`first` and :meth:`down`.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: Any = jnp.float32,
+                 param_dtype: Any = jnp.float32, kernel_init: Any = None, rngs: nnx.Rngs):
+        kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if kernel_init is not None:
+            kw["kernel_init"] = kernel_init
+        self.gate_proj = nnx.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nnx.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nnx.Linear(intermediate_size, hidden_size, **kw)
+
+    def first(self, x: Array) -> tuple[Array, Array]:
+        """``x [T, H]`` -> base ``(gate, up)`` ``[T, I_s]``."""
+        return self.gate_proj(x), self.up_proj(x)
+
+    def activation(self, g: Array, u: Array) -> Array:
+        """``silu(g) * u`` in float32, rounded once."""
+        return (jax.nn.silu(_f32(g)) * _f32(u)).astype(g.dtype)
+
+    def down(self, h: Array) -> Array:
+        """``h [T, I_s]`` -> ``[T, H]``."""
+        return self.down_proj(h)
+
+    def __call__(self, x: Array) -> Array:
+        """The MLP without LoRA: ``x [T, H]`` -> ``[T, H]``."""
+        return self.down(self.activation(*self.first(x)))

@@ -1,0 +1,298 @@
+"""LoRA state of an MoE layer: pools and tables per projection, for many adapters.
+
+- :class:`ExpertLoRA`: one projection's pools (``nnx.LoRAParam``, trainable)
+  and tables (:class:`AdapterTable`, not trainable) for ``max_loras`` adapter
+  slots. Pool layout is fixed: adapter slot ``l``, expert ``e`` lives in pool
+  slot ``1 + l * E_t + e`` (slot 0 is the reserved "not adapted" slot), so
+  loading, replacing or unloading an adapter rewrites one contiguous block of
+  the pools and one row of the tables, and shapes never change.
+- :class:`MoELoRA`: the :class:`ExpertLoRA` of one MoE layer: router, gate,
+  up and down, plus ``shared_gate``, ``shared_up`` and ``shared_down`` when
+  the layer has shared experts; :meth:`MoELoRA.routes` gives their
+  ``MoeExpertRoute``.
+
+The tables are :class:`AdapterTable` variables, outside ``nnx.Param``, so no
+filter on parameters ever selects them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_moelora.geometry import padded_rank
+from jax_moelora.peft import PROJECTIONS, AdapterFormatError, ProjectionLoRA
+from jax_moelora.tables import MoeExpertRoute
+
+__all__ = [
+    "AdapterTable",
+    "ExpertLoRA",
+    "MoELoRA",
+    "MoELoRARoutes",
+    "SHARED_PROJECTIONS",
+    "default_a_initializer",
+]
+
+Array = jax.Array
+
+#: The projections of a layer's shared-expert MLP (one "expert", ``E_t = 1``).
+SHARED_PROJECTIONS = ("shared_gate", "shared_up", "shared_down")
+
+#: PEFT's init of ``lora_A`` (``kaiming_uniform_(a=sqrt(5))``: uniform with
+#: bound ``1 / sqrt(K)``) on ``[E, r, K]`` factors.
+default_a_initializer = nnx.initializers.variance_scaling(
+    1.0 / 3.0, "fan_in", "uniform", in_axis=-1, out_axis=-2, batch_axis=(0,))
+
+
+@jax.jit
+def _set_rows(array: Array, rows: Array, start: Array) -> Array:
+    """``array`` with ``rows`` written from row ``start`` (one compile per shape)."""
+    return jax.lax.dynamic_update_slice_in_dim(array, rows.astype(array.dtype), start, 0)
+
+
+class AdapterTable(nnx.Variable):
+    """Adapter bookkeeping that is state but never trained: the int32 pool-slot
+    tables ``[L, E_t]`` and the float32 scales ``[L, E_t]`` of a projection."""
+
+
+class MoELoRARoutes(NamedTuple):
+    """The routes of one MoE layer (``MoeExpertRoute`` each); the shared-expert
+    routes are ``None`` for a layer without shared experts."""
+
+    router: MoeExpertRoute
+    gate: MoeExpertRoute
+    up: MoeExpertRoute
+    down: MoeExpertRoute
+    shared_gate: MoeExpertRoute | None = None
+    shared_up: MoeExpertRoute | None = None
+    shared_down: MoeExpertRoute | None = None
+
+
+class ExpertLoRA(nnx.Module):
+    """LoRA pools and tables of one projection for ``max_loras`` adapters.
+
+    Args:
+      n_experts: ``E_t``, the table length (the layer's expert count; 1 for
+        the router).
+      k_in: ``K``, the projection's input width.
+      n_out: ``N``, its output width.
+      max_loras: ``L``, adapter slots.
+      max_rank: the pools' rank ``R``, rounded up to a multiple of 8.
+      dtype: the pools' dtype (the activation dtype of the fold).
+      param_type: the pools' variable type (``nnx.LoRAParam``).
+
+    State: ``a_pool [P, R, K]`` and ``b_pool [P, N, R]`` with
+    ``P = 1 + L * E_t``; ``a_table``/``b_table`` int32 ``[L, E_t]`` and
+    ``scale_table`` float32 ``[L, E_t]`` (:class:`AdapterTable`).
+    """
+
+    def __init__(self, n_experts: int, k_in: int, n_out: int, *, max_loras: int,
+                 max_rank: int, dtype: Any = jnp.float32,
+                 param_type: type[nnx.Variable] = nnx.LoRAParam):
+        for name, v in (("n_experts", n_experts), ("k_in", k_in), ("n_out", n_out),
+                        ("max_loras", max_loras), ("max_rank", max_rank)):
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"ExpertLoRA: {name} must be a positive int, got {v!r}")
+        self.n_experts, self.k_in, self.n_out = int(n_experts), int(k_in), int(n_out)
+        self.max_loras, self.max_rank = int(max_loras), padded_rank(int(max_rank))
+        self.dtype = jnp.dtype(dtype)
+        P, R, L = 1 + self.max_loras * self.n_experts, self.max_rank, self.max_loras
+        self.a_pool = param_type(jnp.zeros((P, R, self.k_in), self.dtype))
+        self.b_pool = param_type(jnp.zeros((P, self.n_out, R), self.dtype))
+        self.a_table = AdapterTable(jnp.zeros((L, self.n_experts), jnp.int32))
+        self.b_table = AdapterTable(jnp.zeros((L, self.n_experts), jnp.int32))
+        self.scale_table = AdapterTable(jnp.zeros((L, self.n_experts), jnp.float32))
+
+    @property
+    def pool_size(self) -> int:
+        return 1 + self.max_loras * self.n_experts
+
+    def pool_slot(self, slot: int, expert: int) -> int:
+        """The pool slot of adapter ``slot``'s expert ``expert``."""
+        return 1 + slot * self.n_experts + expert
+
+    def route(self) -> MoeExpertRoute:
+        """The projection's ``MoeExpertRoute`` (traceable)."""
+        return MoeExpertRoute(a_pool=self.a_pool[...], b_pool=self.b_pool[...],
+                              a_table=self.a_table[...], b_table=self.b_table[...],
+                              scale_table=self.scale_table[...])
+
+    def _check_slot(self, slot: int) -> int:
+        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.max_loras:
+            raise ValueError(f"adapter slot must be in [0, {self.max_loras}), got {slot!r}")
+        return int(slot)
+
+    def write_slot(self, slot: int, a: Any, b: Any, scale: Any, present: Any) -> None:
+        """Install factors into adapter slot ``slot`` (host-side, not traced).
+
+        Args:
+          a: ``[e, r, K]`` with ``e <= E_t`` and ``r <= max_rank`` (zero-padded
+            here); numpy or jax.
+          b: ``[e, N, r]``.
+          scale: ``[e]`` float scales.
+          present: bool ``[e]``: experts that fold (table cells 0 elsewhere).
+        """
+        slot = self._check_slot(slot)
+        e, r, k = a.shape
+        if e > self.n_experts or k != self.k_in or r > self.max_rank or b.shape != (
+                e, self.n_out, r):
+            raise ValueError(f"write_slot: a {tuple(a.shape)} / b {tuple(b.shape)} do not fit "
+                             f"[<= {self.n_experts}, <= {self.max_rank}, {self.k_in}] / "
+                             f"[., {self.n_out}, .]")
+        R, E = self.max_rank, self.n_experts
+        a_blk = np.zeros((E, R, self.k_in), self.dtype)
+        a_blk[:e, :r] = np.asarray(a, np.float32)
+        b_blk = np.zeros((E, self.n_out, R), self.dtype)
+        b_blk[:e, :, :r] = np.asarray(b, np.float32)
+        start = self.pool_slot(slot, 0)
+        self.a_pool[...] = _set_rows(self.a_pool[...], a_blk, np.int32(start))
+        self.b_pool[...] = _set_rows(self.b_pool[...], b_blk, np.int32(start))
+        present = np.zeros(E, bool) if present is None else np.asarray(present, bool)
+        cells = np.zeros(E, np.int32)
+        cells[:e] = np.where(present[:e], start + np.arange(e), 0)
+        scales = np.zeros(E, np.float32)
+        scales[:e] = np.where(present[:e], np.asarray(scale, np.float32), 0.0)
+        self.a_table[...] = _set_rows(self.a_table[...], cells[None], np.int32(slot))
+        self.b_table[...] = _set_rows(self.b_table[...], cells[None], np.int32(slot))
+        self.scale_table[...] = _set_rows(self.scale_table[...], scales[None], np.int32(slot))
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero adapter slot ``slot``: its table cells and its pool block."""
+        slot = self._check_slot(slot)
+        self.write_slot(slot, np.zeros((self.n_experts, self.max_rank, self.k_in), np.float32),
+                        np.zeros((self.n_experts, self.n_out, self.max_rank), np.float32),
+                        np.zeros(self.n_experts, np.float32), np.zeros(self.n_experts, bool))
+
+    def check(self, lora: ProjectionLoRA, what: str) -> None:
+        """Raise ``AdapterFormatError`` (naming the key) if ``lora`` does not fit."""
+        if lora.n_experts > self.n_experts:
+            bad = [e for e in range(self.n_experts, lora.n_experts) if lora.present[e]]
+            if bad:
+                raise AdapterFormatError(
+                    f"expert id out of range: key {lora.key(bad[0])!r} adapts {what} expert "
+                    f"{bad[0]}, the layer has {self.n_experts} experts")
+        first = int(np.argmax(lora.present))
+        if lora.k_in != self.k_in or lora.n_out != self.n_out:
+            raise AdapterFormatError(
+                f"shape mismatch: key {lora.key(first)!r} maps {lora.k_in} -> {lora.n_out} "
+                f"for {what}, the layer's {what} maps {self.k_in} -> {self.n_out}")
+        if int(lora.ranks.max(initial=0)) > self.max_rank:
+            e = int(np.argmax(lora.ranks))
+            raise AdapterFormatError(
+                f"rank mismatch: key {lora.key(e)!r} has rank {int(lora.ranks[e])}, above the "
+                f"pool's max_rank {self.max_rank} for {what}")
+
+    def set_lora(self, slot: int, lora: ProjectionLoRA | None, what: str = "projection") -> None:
+        """Install a loaded ``ProjectionLoRA`` (``None`` clears the slot)."""
+        if lora is None:
+            self.clear_slot(slot)
+            return
+        self.check(lora, what)
+        e = min(lora.n_experts, self.n_experts)  # ids past E_t carry no pair (check)
+        r = min(lora.max_rank, self.max_rank)  # ranks past r are zero padding (check)
+        self.write_slot(slot, lora.a[:e, :r], lora.b[:e, :, :r], lora.scale[:e], lora.present[:e])
+
+
+class MoELoRA(nnx.Module):
+    """Per-layer LoRA state of an MoE layer.
+
+    Args:
+      hidden_size: the model width ``H``.
+      intermediate_size: each routed expert's width ``I``.
+      num_experts: ``E``.
+      shared_intermediate_size: the shared-expert MLP's width ``I_s`` (0:
+        no shared experts).
+      max_loras: adapter slots ``L`` (a token's adapter id picks one).
+      max_rank: pool rank, rounded up to a multiple of 8.
+      dtype: the expert pools' dtype (the block's activation dtype).
+      router_dtype: the router pools' dtype (the router runs in it).
+      param_type: the pools' variable type.
+      a_initializer, b_initializer: initializers of a fresh adapter's
+        ``A [E_t, r, K]`` and ``B [E_t, N, r]`` (:meth:`init_adapter`);
+        PEFT's by default (``B`` zero, so a fresh adapter is the base model).
+
+    Attributes (all :class:`ExpertLoRA`): ``router`` (``E_t = 1``, ``K = H``,
+    ``N = E``), ``gate`` and ``up`` (``K = H``, ``N = I``), ``down`` (``K =
+    I``, ``N = H``); with shared experts ``shared_gate``, ``shared_up``
+    (``E_t = 1``, ``K = H``, ``N = I_s``) and ``shared_down`` (``K = I_s``,
+    ``N = H``). ``projections`` lists the names this layer has.
+    """
+
+    def __init__(self, *, hidden_size: int, intermediate_size: int, num_experts: int,
+                 shared_intermediate_size: int = 0, max_loras: int = 4, max_rank: int = 16,
+                 dtype: Any = jnp.float32, router_dtype: Any = jnp.float32,
+                 param_type: type[nnx.Variable] = nnx.LoRAParam,
+                 a_initializer: Any = default_a_initializer,
+                 b_initializer: Any = nnx.initializers.zeros_init()):
+        kw = dict(max_loras=max_loras, max_rank=max_rank, param_type=param_type)
+        H, I, E, S = hidden_size, intermediate_size, num_experts, int(shared_intermediate_size)
+        if S < 0:
+            raise ValueError(f"MoELoRA: shared_intermediate_size must be >= 0, got {S}")
+        self.hidden_size, self.intermediate_size, self.num_experts = H, I, E
+        self.shared_intermediate_size = S
+        self.max_loras, self.max_rank = int(max_loras), padded_rank(int(max_rank))
+        self.a_initializer, self.b_initializer = a_initializer, b_initializer
+        self.router = ExpertLoRA(1, H, E, dtype=router_dtype, **kw)
+        self.gate = ExpertLoRA(E, H, I, dtype=dtype, **kw)
+        self.up = ExpertLoRA(E, H, I, dtype=dtype, **kw)
+        self.down = ExpertLoRA(E, I, H, dtype=dtype, **kw)
+        if S:
+            self.shared_gate = ExpertLoRA(1, H, S, dtype=dtype, **kw)
+            self.shared_up = ExpertLoRA(1, H, S, dtype=dtype, **kw)
+            self.shared_down = ExpertLoRA(1, S, H, dtype=dtype, **kw)
+        self.projections = PROJECTIONS + (SHARED_PROJECTIONS if S else ())
+
+    def projection(self, name: str) -> ExpertLoRA:
+        """The :class:`ExpertLoRA` of projection ``name``."""
+        if name not in self.projections:
+            raise AdapterFormatError(
+                f"unknown projection {name!r} for this layer; known: {self.projections}")
+        return getattr(self, name)
+
+    def routes(self) -> MoELoRARoutes:
+        """The ``MoeExpertRoute`` of every projection (traceable)."""
+        return MoELoRARoutes(**{p: self.projection(p).route() for p in self.projections})
+
+    def check_adapter(self, projections: Mapping[str, ProjectionLoRA], where: str = "") -> None:
+        """Raise ``AdapterFormatError`` naming the key if a projection does not fit."""
+        for name, lora in projections.items():
+            if name not in self.projections:
+                raise AdapterFormatError(
+                    f"unknown projection: key {lora.key(int(np.argmax(lora.present)))!r} adapts "
+                    f"{where}{name}, the layer has {self.projections}")
+            self.projection(name).check(lora, f"{where}{name}")
+
+    def set_adapter(self, slot: int, projections: Mapping[str, ProjectionLoRA],
+                    where: str = "") -> None:
+        """Install one layer of an adapter into ``slot``; projections it lacks
+        are cleared (they fold nothing for this adapter)."""
+        self.check_adapter(projections, where)
+        for name in self.projections:
+            self.projection(name).set_lora(slot, projections.get(name), f"{where}{name}")
+
+    def clear_adapter(self, slot: int) -> None:
+        """Unload ``slot``: every table cell 0 and the pool blocks zeroed."""
+        for name in self.projections:
+            self.projection(name).clear_slot(slot)
+
+    def init_adapter(self, slot: int, *, rngs: nnx.Rngs, rank: int | None = None,
+                     alpha: float | None = None,
+                     projections: Sequence[str] | None = None) -> None:
+        """A fresh trainable adapter in ``slot`` (every projection by default):
+        ``A`` from ``a_initializer``, ``B`` from ``b_initializer``, scale
+        ``alpha / rank`` (default ``alpha = rank``), every expert adapted."""
+        rank = self.max_rank if rank is None else int(rank)
+        if not 1 <= rank <= self.max_rank:
+            raise ValueError(f"init_adapter: rank must be in [1, {self.max_rank}], got {rank}")
+        scale = (rank if alpha is None else alpha) / rank
+        for name in self.projections if projections is None else projections:
+            proj = self.projection(name)
+            E, K, N = proj.n_experts, proj.k_in, proj.n_out
+            a = self.a_initializer(rngs.params(), (E, rank, K), jnp.float32)
+            b = self.b_initializer(rngs.params(), (E, N, rank), jnp.float32)
+            proj.write_slot(slot, a, b, np.full(E, scale, np.float32), np.ones(E, bool))
