@@ -8,7 +8,9 @@
 # The machine has no network: the CUTLASS headers of expert_matmul come from
 # the nvidia-cutlass wheel in .whl/ (`pip download --no-deps "nvidia-cutlass==4.2.*"
 # -d .whl` here first); without it that kernel is not built.
-#   env: STEPS="build bench bench2 gemm timing suite memcheck racecheck initcheck synccheck ncu scaling"
+#   env: STEPS="build readme bench bench2 gemm timing suite memcheck racecheck initcheck synccheck ncu scaling"
+#        (readme: the README's GPU command without its download step, which
+#        builds the kernels and runs the demo on the GPU; it replaces build)
 #        BENCH="<bench args>"  BENCH2="<a second bench>"  TESTS="<pytest args of the suite step>"
 #        SAN_FILES="<test files of the sanitizer steps>"  SAN_K="<their -k expression>"
 #        KERNELS=<ncu name regex>  NCU_ARGS="<bench args of the ncu step>"
@@ -33,6 +35,14 @@ if has build; then
   timeout 300 python3 -m pip install --no-build-isolation --no-deps -v . >> "$R/build.log" 2>&1; step "build rc=$?"
   grep -E "expert_matmul:|jax_moelora CUDA" "$R/build.log" >> "$R/phases.log"
   python3 -m jax_moelora info >> "$R/build.log" 2>&1
+fi
+if has readme; then  # the README's GPU command, its first (download) step skipped
+  step readme
+  ls .whl/nvidia_cutlass-*.whl > /dev/null 2>&1 && python3 -m pip install --no-deps .whl/nvidia_cutlass-*.whl > "$R/readme.log" 2>&1
+  CMD=$(grep -m1 '^python3 -m pip install "jax\[cuda' README.md | sed 's/^[^&]*&& //')
+  echo "$CMD" >> "$R/readme.log"
+  timeout 400 bash -c "$CMD" >> "$R/readme.log" 2>&1; step "readme rc=$?"
+  python3 -m jax_moelora info >> "$R/readme.log" 2>&1
 fi
 san() {  # san TOOL SECONDS: compute-sanitizer TOOL over the sanitizer tests
   step "$1"; timeout "$2" compute-sanitizer --tool "$1" --print-limit 20 \
@@ -60,7 +70,7 @@ if has timing; then
   step timing; timeout 90 python3 -m jax_moelora demo --timing --repeats 10 --json "$R/timing.json" > "$R/timing.log" 2>&1; step "timing rc=$?"
 fi
 if has suite; then
-  step suite; timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 -rf ${TESTS:-} > "$R/suite.log" 2>&1; step "suite rc=$?"
+  step suite; timeout ${SUITE_S:-300} python3 -m pytest -q -p no:cacheprovider -n 8 -rf ${TESTS:-} > "$R/suite.log" 2>&1; step "suite rc=$?"
 fi
 has memcheck && san memcheck 150
 has racecheck && san racecheck 150
