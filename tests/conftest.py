@@ -3,6 +3,12 @@ import collections
 import jax
 import pytest
 
+# The suite checks the math against float64 references. XLA's default for f32
+# dots on a GPU may round their operands to TF32 (a speed setting of the JAX
+# program, not of this library's folds, which set their own precision): run
+# every test at full f32.
+jax.config.update("jax_default_matmul_precision", "highest")
+
 
 def _has_gpu() -> bool:
     try:

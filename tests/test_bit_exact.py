@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _fold_cases import bits, make_gather_case, make_grouped_case, on_platform, to_device
+from _fold_cases import (assert_ulp_close, bits, make_gather_case, make_grouped_case, on_platform,
+                         to_device)
 from jax_moelora import MoeExpertRoute, moe_lora_gather_bgmv, moe_lora_grouped_down
 from jax_moelora.ops import autodiff
 from jax_moelora.reference import round_to
@@ -146,6 +147,11 @@ def test_fold_equals_the_float64_reference_bit_for_bit(rng, impl, dtype, op, x_g
         changed = (bits(_forward64(case, **drop)) != bits(want)).any(axis=1)
         assert changed[fold].mean() > 0.3, (drop, changed[fold].mean())
     out = case.run(impl)
+    if impl == "jnp" and jax.default_backend() == "gpu":
+        # XLA:GPU compiles the jnp fold's dots and adds as it chooses (fusions,
+        # contractions); there jnp is held to the 2-ulp criterion of §6
+        assert_ulp_close(out, want, "jnp fold on the GPU")
+        return
     diff = np.argwhere(bits(out) != bits(want))
     assert diff.size == 0, f"{len(diff)} values differ from the reference, first at {diff[:5]}"
 

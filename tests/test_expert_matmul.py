@@ -229,7 +229,9 @@ def test_single_weight(rng, impl, dtype, x_gather, num_loras):
         check_gemm(case, base, case.ws[0])
     if num_loras:
         out = case.run(impl)
-        check_lora(case, out, base, case.routes[0], strict=impl != "fast")
+        # the ulp criterion holds for the CPU handlers; on a GPU XLA compiles the
+        # jnp backend's dots as it chooses, and jnp and fast are held to §6's delta tolerance
+        check_lora(case, out, base, case.routes[0], strict=impl == "cpu" or not HAS_GPU)
 
 
 @pytest.mark.parametrize("dtype, x_gather, num_loras", [
@@ -240,13 +242,16 @@ def test_gate_up_pair(rng, impl, dtype, x_gather, num_loras):
     """Gate and up in one call equal two single calls; the GLU is
     round(silu(gate) * up)."""
     case = make_case(rng, dtype=dtype, num_loras=num_loras, pair=True, x_gather=x_gather)
+    # on a GPU, XLA compiles each program's jnp dots its own way: 2 ulp there
+    same = (lambda a, b, what: assert_ulp_close(a, b, what)) if impl == "jnp" and HAS_GPU else (
+        lambda a, b, what: np.testing.assert_array_equal(bits(a), bits(b), err_msg=what))
     g, u = case.run(impl)
     for i, out in enumerate((g, u)):
         single = dataclasses.replace(case, ws=(case.ws[i],), routes=(case.routes[i],))
-        np.testing.assert_array_equal(bits(out), bits(single.run(impl)))
+        same(out, single.run(impl), f"projection {i} of the pair against one call")
     glu = case.run(impl, glu=True)
     want = (jax.nn.silu(g.astype(np.float32)) * u.astype(np.float32)).astype(dtype)
-    np.testing.assert_array_equal(bits(glu), bits(np.asarray(want)))
+    same(glu, np.asarray(want), "glu")
 
 
 def test_stacked_weights_and_one_sided_lora(rng):

@@ -115,9 +115,10 @@ def _bwd_dense(x, route, g_rows, xi, cell, ok):
     hot_a = jax.nn.one_hot(a_slot, P, dtype=_F32) * okf              # [m, P]
     hot_b = jax.nn.one_hot(b_slot, P, dtype=_F32) * okf
     xr = x[xi]                                                        # [m, K]
-    xa = jnp.einsum("mpr,mp->mr", _dot("mk,prk->mpr", xr, route.a_pool), hot_a)
+    xa = jnp.einsum("mpr,mp->mr", _dot("mk,prk->mpr", xr, route.a_pool), hot_a, precision=_HI)
     xa = xa.astype(dt).astype(_F32)                                   # forward rounding
-    gB = jnp.einsum("mpr,mp->mr", _dot("mn,pnr->mpr", g_rows, route.b_pool), hot_b)
+    gB = jnp.einsum("mpr,mp->mr", _dot("mn,pnr->mpr", g_rows, route.b_pool), hot_b,
+                    precision=_HI)
     d_xa = s * gB                                                     # [m, R]
     ds_rows = jnp.sum(xa * gB, axis=1) * okf[:, 0]
     sel_a = (hot_a[:, :, None] * d_xa[:, None, :]).astype(dt)         # [m, P, R]
