@@ -96,13 +96,12 @@ def _cells(route: MoeExpertRoute, adapter, expert):
 
 
 def _dot(spec, a, b):
-    """einsum with f32 accumulation (bf16/f16 operands are widened first when
-    lowered for the CPU, whose dot thunks lack mixed-precision kernels)."""
-    def dot(a, b):
-        return jnp.einsum(spec, a, b, precision=_HI, preferred_element_type=_F32)
-
-    return jax.lax.platform_dependent(a, b, cpu=lambda a, b: dot(a.astype(_F32), b.astype(_F32)),
-                                      default=dot)
+    """einsum of f32-widened operands at full precision: exact products of
+    bf16/f16 values, f32 sums, on every platform (the CPU dot thunks lack
+    mixed-precision kernels; XLA:GPU's mixed-precision dots measured far off an
+    f32 accumulation in the backward's scale gradient)."""
+    return jnp.einsum(spec, a.astype(_F32), b.astype(_F32), precision=_HI,
+                      preferred_element_type=_F32)
 
 
 def _bwd_dense(x, route, g_rows, xi, cell, ok):

@@ -161,10 +161,10 @@ def _ragged(xs, w, offsets):
     """``round(ragged_dot(xs, w))`` in xs's dtype, fp32 accumulation; rows past
     ``offsets[-1]`` are zero."""
     sizes = jnp.diff(offsets)
-    if _ext.current_platform() == "cpu":  # the CPU dot thunks lack mixed-precision kernels
-        acc = jax.lax.ragged_dot(xs.astype(_F32), w.astype(_F32), sizes, precision=_HI)
-    else:
-        acc = jax.lax.ragged_dot(xs, w, sizes, precision=_HI, preferred_element_type=_F32)
+    # operands widened to f32: exact products, f32 sums on every platform (the
+    # CPU dot thunks lack mixed-precision kernels, and XLA:GPU's mixed-precision
+    # dots measured several ulp off an f32 accumulation)
+    acc = jax.lax.ragged_dot(xs.astype(_F32), w.astype(_F32), sizes, precision=_HI)
     return acc.astype(xs.dtype)
 
 

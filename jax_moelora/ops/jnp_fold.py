@@ -41,10 +41,11 @@ def resolve_pairs(route: MoeExpertRoute, adapter: jax.Array, expert: jax.Array):
 
 def _fold_chunk(xr, base, a, b, s, ok, a_pool, b_pool):
     dt = base.dtype
-    xa = jnp.einsum("rk,rjk->rj", xr, a_pool[a], precision=_HI,
-                    preferred_element_type=jnp.float32).astype(dt)
-    delta = jnp.einsum("rj,rnj->rn", xa, b_pool[b], precision=_HI,
-                       preferred_element_type=jnp.float32).astype(dt)
+    f32 = jnp.float32  # widened operands: exact products, f32 sums on every platform
+    xa = jnp.einsum("rk,rjk->rj", xr.astype(f32), a_pool[a].astype(f32), precision=_HI,
+                    preferred_element_type=f32).astype(dt)
+    delta = jnp.einsum("rj,rnj->rn", xa.astype(f32), b_pool[b].astype(f32), precision=_HI,
+                       preferred_element_type=f32).astype(dt)
     folded = (base.astype(jnp.float32) + s[:, None] * delta.astype(jnp.float32)).astype(dt)
     return jnp.where(ok[:, None], folded, base)
 
