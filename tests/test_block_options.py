@@ -207,3 +207,14 @@ def test_leading_shape_is_kept():
     y = block(jnp.asarray(x).reshape(2, T // 2, H), jnp.asarray(ids).reshape(2, T // 2))
     assert y.shape == (2, T // 2, H)
     _close(np.asarray(y, np.float64).reshape(T, H), reference(block, x, ids))
+
+
+def test_adapter_ids_outside_int32_are_refused():
+    """A NumPy int64 adapter id that int32 cannot hold is an error naming it,
+    never a silently wrapped slot (2**32 + 1 would wrap to slot 1)."""
+    block = _block(max_loras=2)
+    x, ids = _inputs(0, 2)
+    ids = ids.astype(np.int64)
+    ids[4] = 2**32 + 1
+    with pytest.raises(OverflowError, match=r"MoEBlock: adapter_ids holds 4294967297 at index 4"):
+        block(jnp.asarray(x), ids)

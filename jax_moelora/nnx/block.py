@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_moelora.int_range import check_int32_values
 from jax_moelora.nnx.experts import (
     ExpertRows,
     GluExperts,
@@ -227,6 +228,7 @@ class MoEBlock(nnx.Module):
         impl = self.impl if impl is None else impl
         routes = None
         if use_lora and self.lora is not None and adapter_ids is not None:
+            check_int32_values(adapter_ids, "adapter_ids", "MoEBlock")
             ids = jnp.asarray(adapter_ids)
             if ids.shape != lead:
                 raise ValueError(f"MoEBlock: adapter_ids has shape {ids.shape}, x's tokens are "
