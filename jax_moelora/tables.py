@@ -46,8 +46,26 @@ def _shape_dtype(v: Any) -> tuple[tuple[int, ...], np.dtype] | None:
     return tuple(shape), jnp.dtype(dtype)
 
 
+class SlotsPytree:
+    """The pytree protocol of a class whose ``__slots__`` are its leaves, in
+    order. Unflattening bypasses ``__init__`` and its validation (leaves may
+    be tracers, None or sentinels inside transformations)."""
+
+    __slots__ = ()
+
+    def tree_flatten(self):
+        return tuple(getattr(self, name) for name in self.__slots__), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)
+        for name, value in zip(cls.__slots__, children):
+            object.__setattr__(obj, name, value)
+        return obj
+
+
 @jax.tree_util.register_pytree_node_class
-class MoeExpertRoute:
+class MoeExpertRoute(SlotsPytree):
     """Device tables for one projection's expert LoRA pairs (a pytree).
 
     Build it as ``MoeExpertRoute(a_pool=..., b_pool=..., a_table=...,
@@ -130,18 +148,6 @@ class MoeExpertRoute:
                 f"scale_table {tuple(st)}")
         if at[0] < 1 or at[1] < 1:
             raise ValueError(f"MoeExpertRoute: tables must be non-empty [L, E_t], got {tuple(at)}")
-
-    # pytree protocol: unflatten bypasses validation (leaves may be tracers,
-    # None or sentinels inside transformations).
-    def tree_flatten(self):
-        return (self.a_pool, self.b_pool, self.a_table, self.b_table, self.scale_table), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        obj = object.__new__(cls)
-        for name, value in zip(cls.__slots__, children):
-            object.__setattr__(obj, name, value)
-        return obj
 
     @classmethod
     def from_dense(cls, a: Any, b: Any, scales: Any, mask: Any = None, *,

@@ -18,13 +18,13 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jax_moelora.tables import MoeExpertRoute
+from jax_moelora.tables import MoeExpertRoute, SlotsPytree
 
 __all__ = ["StackedRoute", "stack_routes", "fold_stacked"]
 
 
 @jax.tree_util.register_pytree_node_class
-class StackedRoute:
+class StackedRoute(SlotsPytree):
     """``S`` projections' routes with equal shapes, stacked on a leading axis.
 
     Arrays: ``a_pool [S, P, R, K]``, ``b_pool [S, P, N, R]``, ``a_table``,
@@ -32,17 +32,7 @@ class StackedRoute:
     ``route(s)`` is projection ``s`` as a ``MoeExpertRoute``.
     """
 
-    __slots__ = ("a_pool", "b_pool", "a_table", "b_table", "scale_table")
-
-    def tree_flatten(self):
-        return tuple(getattr(self, n) for n in self.__slots__), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        obj = object.__new__(cls)
-        for name, value in zip(cls.__slots__, children):
-            object.__setattr__(obj, name, value)
-        return obj
+    __slots__ = MoeExpertRoute.__slots__
 
     @property
     def num_routes(self) -> int:
