@@ -442,16 +442,34 @@ def test_cuda_graphs_on_and_off_give_the_same_bits(tmp_path, impl):
     np.testing.assert_array_equal(bits(off), bits(on))
 
 
-@pytest.mark.parametrize("num_loras,k_in", [(1, 4096), (3, 2048), (3, 4096)],
-                         ids=["L1-K4096", "L3-K2048", "L3-K4096"])
+@pytest.mark.parametrize("shape", [
+    dict(num_loras=1, k_in=512, n_out=320),                       # split kernels
+    dict(num_loras=3, k_in=1024, n_out=520),                      # cells mixed in tiles
+    dict(num_loras=3, k_in=256, n_out=264, ranks=(24, 40), max_rank=40),   # 32-row shrink tiles
+    dict(num_loras=2, k_in=256, n_out=136, ranks=(72, 128), max_rank=128),  # rank passes
+    dict(num_loras=3, k_in=260, n_out=320),                       # K % 8 != 0: seed kernels
+    dict(num_loras=3, k_in=256, n_out=202),                       # N % 8 != 0: seed kernels
+], ids=["L1", "L3", "L3-R40", "L2-R128", "K260-seed", "N202-seed"])
+@pytest.mark.parametrize("x_gather", [0, 1])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("impl", [pytest.param("fast", marks=GPU)])
-def test_fast_grouped_kernels_match_reference(rng, impl, num_loras, k_in):
-    """Both fast grouped kernels: the cells kernel, and the pairs kernel that
-    tiles shared by several adapters take at K >= 4096 (ffi_src/fast/)."""
-    case = make_grouped_case(rng, num_tokens=512, rows_per_expert=150, num_loras=num_loras,
-                             k_in=k_in, n_out=320, ranks=(8, 16), max_rank=16, n_experts=6,
-                             x_gather=1)
+def test_fast_grouped_kernels_match_reference(rng, impl, dtype, x_gather, shape):
+    """The fast grouped fold (launch_grouped_fast: the shrink and expand
+    kernels, or the seed kernels for shapes they cannot read in 16-byte
+    vectors), whole and in a window that cuts tiles, against the reference."""
+    shape = dict(shape)
+    kw = dict(ranks=shape.pop("ranks", (8, 16)), max_rank=shape.pop("max_rank", 16))
+    case = make_grouped_case(rng, dtype=dtype, num_tokens=512, rows_per_expert=150, n_experts=6,
+                             x_gather=x_gather, **kw, **shape)
     _check(case, case.run(impl), impl)
+    te = case.base_out.shape[0]
+    lo, hi = te // 3 + 5, 2 * te // 3 + 3
+    out = case.run(impl, row_offset=lo, row_end=hi)
+    inside = np.zeros(te, bool)
+    inside[lo:hi] = True
+    np.testing.assert_array_equal(bits(out[~inside]), bits(case.base_out[~inside]))
+    _check(case, out, impl, fold_rows=case.fold_rows & inside,
+           ref=case.reference(row_offset=lo, row_end=hi))
 
 
 @pytest.mark.parametrize("shape", [

@@ -2,8 +2,11 @@
 // launch_gather_fast, which picks the kernel for a gather fold:
 //   - fp32: rows_f32.cu;
 //   - cells that hold about one row each (rows / min(rows, L * E_t) < 2, e.g.
-//     T <= 64 on 128 experts with 4 adapters): decode_rows.cu, one CTA a row;
-//     grouping buys nothing there and the cells kernel's metadata pass costs;
+//     T <= 64 on 128 experts with 4 adapters), or few enough rows that their
+//     A and B blocks, read once per row, stay within kRowsL2Budget bytes of
+//     L2 reads (Qwen3 T <= 64 with one adapter): decode_rows.cu, one CTA a
+//     row; grouping buys nothing there and the cells kernel's metadata pass
+//     costs;
 //   - otherwise the cells kernel below, which reads each A and B block once
 //     per batch of up to 16 rows.
 //
@@ -394,7 +397,10 @@ cudaError_t launch_gather_fast(const GatherArgs& args, cudaStream_t stream) {
   if (args.dtype == DType::kF32) return fast::launch_gather_f32(args, stream);
   cudaError_t err = cudaSuccess;
   const int64_t cells = std::min<int64_t>(args.n_slots, args.route.num_loras * args.route.n_experts);
-  if (fast::gather_rows_fits(args) && args.n_slots < 2 * cells)
+  // L2 bytes the rows kernel reads: every row its A [R, K] and B [N, R] block.
+  constexpr int64_t kRowsL2Budget = int64_t(48) << 20;
+  const int64_t row_blocks = args.n_slots * args.R * (args.K + args.N) * 2;
+  if (fast::gather_rows_fits(args) && (args.n_slots < 2 * cells || row_blocks <= kRowsL2Budget))
     return fast::launch_gather_rows(args, stream);
   if (fast::gather_cells(args, stream, &err)) return err;
   return launch_gather_seed(args, stream);

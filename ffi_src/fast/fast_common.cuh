@@ -2,7 +2,7 @@
 // ffi_src/fast/: tensor-core mma wrappers, 16-byte loads, dtype conversions,
 // launch helpers, and the launchers each kernel file exports to the two
 // dispatchers (launch_gather_fast in decode_cells.cu, launch_grouped_fast in
-// prefill_cells.cu).
+// prefill_expand.cu).
 #pragma once
 
 #include <algorithm>
@@ -79,6 +79,21 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+// 16-byte asynchronous copy global -> shared (zero-filled when !valid; src
+// must still be a mapped address), and the group commit and waits.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 // The (table row, expert) a gather row folds with, or false when the row is
 // skipped before any table lookup (negative adapter, adapter past the table,
 // expert outside the table).
@@ -107,15 +122,11 @@ __device__ __forceinline__ bool cta_offsets_well_formed(const int32_t* offsets, 
   return !__syncthreads_or(bad);
 }
 
-// Launch parameters of the grouped kernels.
+// Launch parameters of the grouped shrink kernel.
 struct GroupedParams {
   GroupedArgs a;
-  int64_t n_clusters;
-  int e_eff;         // experts with tiles: min(table length, num_experts)
-  int smem_experts;  // e_eff when their spans fit in shared memory, else 0
-  bool kvec, nvec;
+  int e_eff;  // experts with tiles: min(table length, num_experts)
 };
-
 
 // ------------------------------------------------------------- host --------
 
@@ -175,14 +186,16 @@ inline cudaError_t launch(void (*kernel)(Params), const Params& prm, int64_t n_c
   return cudaLaunchKernelEx(&cfg, kernel, prm);
 }
 
-// The one-CTA-a-row kernel reads x and A rows with 16-byte loads: K % 8 == 0
 
 // Launchers of the kernel files (dtype already checked by the dispatchers).
 cudaError_t launch_gather_f32(const GatherArgs& a, cudaStream_t stream);
 cudaError_t launch_gather_rows(const GatherArgs& a, cudaStream_t stream);
 bool gather_rows_fits(const GatherArgs& a);  // shapes launch_gather_rows takes
 cudaError_t launch_grouped_f32(const GroupedArgs& a, cudaStream_t stream);
-cudaError_t launch_grouped_pairs(const GroupedArgs& a, cudaStream_t stream);
+// The grouped shrink (prefill_shrink.cu) writes xa for the expand
+// (prefill_expand.cu); grouped_split_fits: the shapes both take.
+cudaError_t launch_grouped_shrink(const GroupedArgs& a, cudaStream_t stream);
+bool grouped_split_fits(const GroupedArgs& a);
 
 }  // namespace fast
 }  // namespace moelora

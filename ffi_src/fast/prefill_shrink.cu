@@ -1,20 +1,18 @@
-// Prefill fold (expert-sorted rows): the cells kernel, and
-// launch_grouped_fast, which picks the kernel for a grouped fold.
+// Prefill fold, first launch: the shrink xa = round(x . A) of every row of
+// the window that folds, written to the handler's xa scratch [te, R].
+// prefill_expand.cu then folds round(xa . B) into base_out.
 //
-// A "batch" is up to MR = 8 * NRG rows of one tile that fold with one pair:
-// one A block [R, K], one B block [N, R]. One CTA of kCellThreads:
-//  1. shrink on the tensor cores: K streams in chunks of kCellKc through an
-//     S-stage cp.async pipeline (the chunk of A for RP ranks and of the
-//     batch's x rows, in shared memory, up to S chunks in flight); warp w
-//     multiplies the 32-wide slice w of every chunk (mma m16n8k16, rank in M,
-//     rows in N, fp32); the 8 warp partials are summed in warp order and
-//     rounded into xa (shared memory, activation dtype). Ranks go in passes
-//     of RP = 16 * SP, SP * NRG = 8 accumulator tiles per warp.
-//  2. expand on the tensor cores: the warps split the CTA's output columns
-//     in 16-column tiles, delta^T = B_cols . xa^T (K = R), rounded, folded
-//     into base_out.
+// A "batch" is up to MR = 8 * NRG rows of one tile that fold with one pair
+// (one A block [R, K]). One CTA of kCellThreads runs a batch on the tensor
+// cores: K streams in chunks of kCellKc through an S-stage cp.async pipeline
+// (the chunk of A for RP ranks and of the batch's x rows, in shared memory,
+// up to S chunks in flight); warp w multiplies the 32-wide slice w of every
+// chunk (mma m16n8k16, rank in M, rows in N, fp32); the 8 warp partials are
+// summed in warp order and rounded into xa (activation dtype), then stored.
+// Ranks go in passes of RP = 16 * SP, SP * NRG = 8 accumulator tiles per warp.
 // Persistent CTAs walk the MR-row tiles of the expert spans in round-major
-// order; a tile's rows with one table row form a batch.
+// order; a tile's rows with one table row form a batch, so x is read once
+// per row whatever the number of adapters in a tile.
 
 #include "fast/fast_common.cuh"
 
@@ -59,19 +57,6 @@ struct CellLayout {
   }
 };
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 // Wait until at most n committed groups are pending (n < kCellMaxStages).
 __device__ __forceinline__ void cp_async_wait_dyn(int n) {
   switch (n) {
@@ -189,127 +174,34 @@ __device__ void cell_shrink(char* smem, const CellLayout& lay, int nrows, const 
   }
 }
 
-// out[orow[q], c0:c1] = round(out + scale * round(xa[q] . B[n])) for the
-// batch's rows, on the tensor cores. nvec: 4-byte output accesses allowed
-// (N even, out 4-byte aligned, c0 even).
-template <DType D, int NRG>
-__device__ void cell_expand(char* smem, const CellLayout& lay, int nrows, const uint16_t* B,
-                            uint16_t* out, int64_t N, int R, float scale, int64_t c0, int64_t c1,
-                            bool nvec) {
-  constexpr int U = NRG >= 4 ? 1 : 2;
-  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+// Store the batch's xa rows (shared memory) to the scratch rows orow[q].
+__device__ __forceinline__ void store_xa(const char* smem, const CellLayout& lay, int nrows,
+                                         uint16_t* xa_out, int R) {
   const uint16_t* xa = reinterpret_cast<const uint16_t*>(smem + lay.off_xa);
   const int* s_orow = reinterpret_cast<const int*>(smem + lay.off_orow);
-  const int nmt = int((c1 - c0 + 15) / 16), nks = lay.r16 / 16, xs = lay.xs;
-  const int nrg = (nrows + 7) / 8;
-  for (int base = w; base < nmt; base += kCellWarps * U) {
-    float acc[U][NRG][4];
-    uint32_t ob[U][NRG][2];
-    int64_t col[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      col[u] = c0 + int64_t(base + kCellWarps * u) * 16 + 2 * g;
-      const bool uv = base + kCellWarps * u < nmt;
-#pragma unroll
-      for (int r = 0; r < NRG; ++r) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[u][r][i] = 0.f;
-        ob[u][r][0] = ob[u][r][1] = 0u;
-        if (!uv || r >= nrg) continue;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int q = r * 8 + 2 * t + h;
-          if (q >= nrows) continue;
-          const uint16_t* o = out + int64_t(s_orow[q]) * N + col[u];
-          if (nvec && col[u] + 1 < c1) {
-            ob[u][r][h] = *reinterpret_cast<const uint32_t*>(o);
-          } else {
-            const uint32_t lo = col[u] < c1 ? uint32_t(o[0]) : 0u;
-            const uint32_t hi = col[u] + 1 < c1 ? uint32_t(o[1]) : 0u;
-            ob[u][r][h] = lo | (hi << 16);
-          }
-        }
-      }
-    }
-    for (int ks = 0; ks < nks; ++ks) {
-      const int j = ks * 16 + 4 * t;
-      const bool jv = j < R;  // R % 8 == 0: 4 valid or none
-      uint2 b0[U], b1[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        b0[u] = b1[u] = make_uint2(0u, 0u);
-        if (!jv || base + kCellWarps * u >= nmt) continue;
-        if (col[u] < c1) b0[u] = __ldg(reinterpret_cast<const uint2*>(B + col[u] * R + j));
-        if (col[u] + 1 < c1)
-          b1[u] = __ldg(reinterpret_cast<const uint2*>(B + (col[u] + 1) * R + j));
-      }
-#pragma unroll
-      for (int r = 0; r < NRG; ++r) {
-        if (r >= nrg) continue;
-        const uint2 xf = *reinterpret_cast<const uint2*>(xa + (r * 8 + g) * xs + ks * 16 + 4 * t);
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-          Mma<D>::run(acc[u][r], b0[u].x, b1[u].x, b0[u].y, b1[u].y, xf.x, xf.y);
-      }
-    }
-    // c0 (col, row 2t), c1 (col, row 2t+1), c2 (col+1, row 2t), c3 (col+1, row 2t+1)
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (base + kCellWarps * u >= nmt) continue;
-#pragma unroll
-      for (int r = 0; r < NRG; ++r) {
-        if (r >= nrg) continue;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int q = r * 8 + 2 * t + h;
-          if (q >= nrows) continue;
-          const float d0 = h2f<D>(f2h<D>(acc[u][r][h]));
-          const float d1 = h2f<D>(f2h<D>(acc[u][r][2 + h]));
-          const uint32_t o = ob[u][r][h];
-          const uint32_t n0 = f2h<D>(fold_add(h2f<D>(uint16_t(o & 0xffffu)), scale, d0));
-          const uint32_t n1 = f2h<D>(fold_add(h2f<D>(uint16_t(o >> 16)), scale, d1));
-          uint16_t* dst = out + int64_t(s_orow[q]) * N + col[u];
-          if (nvec && col[u] + 1 < c1) {
-            *reinterpret_cast<uint32_t*>(dst) = n0 | (n1 << 16);
-          } else {
-            if (col[u] < c1) dst[0] = uint16_t(n0);
-            if (col[u] + 1 < c1) dst[1] = uint16_t(n1);
-          }
-        }
-      }
-    }
+  const int vecs = R / 8;  // R % 8 == 0: 16-byte pieces per row
+  for (int i = threadIdx.x; i < nrows * vecs; i += blockDim.x) {
+    const int q = i / vecs, v = i - q * vecs;
+    *reinterpret_cast<uint4*>(xa_out + int64_t(s_orow[q]) * R + 8 * v) =
+        *reinterpret_cast<const uint4*>(xa + q * lay.xs + 8 * v);
   }
 }
-
-// Start the batch's output columns [c0, c1) on their way into L2.
-__device__ __forceinline__ void prefetch_out_rows(const uint16_t* out, const int* s_orow, int nrows,
-                                                  int64_t N, int64_t c0, int64_t c1) {
-  const int64_t bytes = (c1 - c0) * 2, lines = (bytes + 127) / 128;
-  for (int64_t i = threadIdx.x; i < nrows * lines; i += blockDim.x) {
-    const int64_t q = i / lines, li = i - q * lines;
-    prefetch_l2(reinterpret_cast<const char*>(out + int64_t(s_orow[q]) * N + c0) + li * 128);
-  }
-}
-
-struct CellParams {
-  int stages;
-  int64_t chunk_w;  // output columns per CTA (multiple of 64)
-  bool nvec;
-};
 
 template <DType D, int NRG>
-__global__ void __launch_bounds__(kCellThreads, 2) grouped_cells_kernel(const GroupedParams prm,
-                                                                      const CellParams cp) {
+__global__ void __launch_bounds__(kCellThreads, 2) grouped_shrink_kernel(const GroupedParams prm,
+                                                                       const int stages) {
   constexpr int MR = 8 * NRG;
   static_assert(MR <= 64, "tile rows");
   extern __shared__ __align__(128) char smem[];
   const GroupedArgs& a = prm.a;
+  // The expand launch may start now: it loads its base_out tiles and waits
+  // for this grid's end (griddepcontrol.wait) before it reads xa.
+  asm volatile("griddepcontrol.launch_dependents;");
   if (!cta_offsets_well_formed(a.expert_offsets, a.num_experts, a.te)) return;  // uniform
-  const CellLayout lay(NRG, int(a.R), cp.stages);
+  const CellLayout lay(NRG, int(a.R), stages);
   const int tid = threadIdx.x, lane = tid & 31;
   const int64_t lo = max(int64_t(0), a.row_offset), hi = min(a.row_end, a.te);
   const int E = prm.e_eff, R = int(a.R);
-  const int64_t c0 = int64_t(blockIdx.y) * cp.chunk_w, c1 = min(a.N, c0 + cp.chunk_w);
   int* s_misc = reinterpret_cast<int*>(smem + lay.off_misc);
   int* s_l = reinterpret_cast<int*>(smem + lay.off_list);  // [64] table row or -1
   int* s_tok = s_l + 64;
@@ -338,7 +230,7 @@ __global__ void __launch_bounds__(kCellThreads, 2) grouped_cells_kernel(const Gr
   const RouteView& rt = a.route;
   const bool need_tok = a.x_gather || a.has_row_adapter;
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
-  uint16_t* out = static_cast<uint16_t*>(a.out);
+  uint16_t* xa_out = static_cast<uint16_t*>(a.xa);
   const int64_t total_v = int64_t(E) * max_tiles;
   for (int64_t v = blockIdx.x; v < total_v; v += gridDim.x) {
     const int i = int(v / E), e = int(v % E);
@@ -386,43 +278,26 @@ __global__ void __launch_bounds__(kCellThreads, 2) grouped_cells_kernel(const Gr
         }
       }
       __syncthreads();
-      prefetch_out_rows(out, s_orow, nrows, a.N, c0, c1);
       const uint16_t* A = static_cast<const uint16_t*>(a.a_pool) + int64_t(pair.a) * R * a.K;
-      const uint16_t* B = static_cast<const uint16_t*>(a.b_pool) + int64_t(pair.b) * a.N * R;
       cell_shrink<D, NRG>(smem, lay, nrows, x, A, a.K, R);
-      cell_expand<D, NRG>(smem, lay, nrows, B, out, a.N, R, pair.scale, c0, c1, cp.nvec);
+      store_xa(smem, lay, nrows, xa_out, R);
       __syncthreads();  // s_xrow, s_orow and xa are rewritten by the next pass
     }
     __syncthreads();  // s_l and s_tok are rewritten by the next tile
   }
 }
 
-// Output columns per CTA for `units` units of work: enough CTAs for every SM,
-// chunks of whole 64-column multiples (each chunk repeats the shrink).
-int64_t cell_chunk_w(int64_t N, int64_t units) {
-  int64_t chunks = std::max<int64_t>(1, sm_count() / std::max<int64_t>(1, units));
-  chunks = std::min<int64_t>({chunks, (N + 63) / 64, 65535});
-  int64_t w = (N + chunks - 1) / chunks;
-  return (w + 63) / 64 * 64;
-}
-
 template <DType D, int NRG>
-cudaError_t grouped_cells_nrg(const GroupedArgs& a, cudaStream_t stream) {
+cudaError_t grouped_shrink_nrg(const GroupedArgs& a, cudaStream_t stream) {
   constexpr int MR = 8 * NRG;
   GroupedParams prm = {};
   prm.a = a;
   const int64_t lo = std::max<int64_t>(0, a.row_offset), hi = std::min<int64_t>(a.row_end, a.te);
-  if (hi <= lo) return cudaSuccess;
   prm.e_eff = int(std::min<int64_t>(a.route.n_experts, a.num_experts));
-  if (prm.e_eff <= 0) return cudaSuccess;
-  CellParams cp;
-  cp.stages = CellLayout::stages_for(NRG, int(a.R));
-  const CellLayout lay(NRG, int(a.R), cp.stages);
+  const int stages = CellLayout::stages_for(NRG, int(a.R));
+  const CellLayout lay(NRG, int(a.R), stages);
   const int64_t tiles = (hi - lo + MR - 1) / MR + prm.e_eff;
-  cp.chunk_w = cell_chunk_w(a.N, tiles);
-  cp.nvec = a.N % 2 == 0 && aligned4(a.out);
-  const int64_t chunks = (a.N + cp.chunk_w - 1) / cp.chunk_w;
-  auto kernel = grouped_cells_kernel<D, NRG>;
+  auto kernel = grouped_shrink_kernel<D, NRG>;
   if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(kernel), lay.total);
       err != cudaSuccess)
     return err;
@@ -432,50 +307,27 @@ cudaError_t grouped_cells_nrg(const GroupedArgs& a, cudaStream_t stream) {
       per_sm < 1)
     per_sm = 1;
   const int64_t ctas = std::min<int64_t>(tiles, int64_t(sm_count()) * per_sm);
-  kernel<<<dim3(unsigned(ctas), unsigned(chunks), 1), kCellThreads, lay.total, stream>>>(prm, cp);
+  kernel<<<unsigned(ctas), kCellThreads, lay.total, stream>>>(prm, stages);
   return cudaPeekAtLastError();
 }
 
-// Prefill tiles of 64 rows at rank <= 16, 32 at rank <= 32, else 16 (the
-// accumulators of a warp stay at 8 tensor-core tiles).
-template <DType D>
-cudaError_t grouped_cells(const GroupedArgs& a, cudaStream_t stream) {
-  if (a.R <= 16) return grouped_cells_nrg<D, 8>(a, stream);
-  if (a.R <= 32) return grouped_cells_nrg<D, 4>(a, stream);
-  return grouped_cells_nrg<D, 2>(a, stream);
-}
-
-// The cells kernels read x and A with 16-byte copies and keep row ids in int.
-bool cells_fit(const void* x, const void* a_pool, const void* b_pool, int64_t K, int64_t rows) {
-  return K % 8 == 0 && aligned16(x) && aligned16(a_pool) && aligned16(b_pool) && rows < INT_MAX;
-}
-
-// The cells kernel streams a pair's A block once per (tile, table row) pass;
-// tiles shared by several adapters at long K (Mixtral-sized) run faster on the
-// pairs kernel's 32-row tiles, and shapes the cells kernel cannot read with
-// 16-byte copies take the pairs kernel too (docs/perf.md).
-bool use_grouped_cells(const GroupedArgs& a) {
-  if (!cells_fit(a.x, a.a_pool, a.b_pool, a.K, a.te)) return false;
-  return !(a.route.num_loras > 1 && a.K >= 4096);
-}
-
 }  // namespace
-}  // namespace fast
 
-cudaError_t launch_grouped_fast(const GroupedArgs& args, cudaStream_t stream) {
-  using namespace fast;
-  if (args.te <= 0 || args.N <= 0 || args.K <= 0 || args.R <= 0) return cudaSuccess;
-  switch (args.dtype) {
-    case DType::kBf16:
-      return use_grouped_cells(args) ? grouped_cells<DType::kBf16>(args, stream)
-                                     : launch_grouped_pairs(args, stream);
-    case DType::kF16:
-      return use_grouped_cells(args) ? grouped_cells<DType::kF16>(args, stream)
-                                     : launch_grouped_pairs(args, stream);
-    case DType::kF32:
-      return launch_grouped_f32(args, stream);
-  }
-  return cudaErrorInvalidValue;
+// Tiles of 64 rows at rank <= 16, 32 at rank <= 32, else 16 (the
+// accumulators of a warp stay at 8 tensor-core tiles). The caller checks
+// grouped_split_fits and that the window [max(0, row_offset), min(row_end,
+// te)) and min(route.n_experts, num_experts) are not empty.
+cudaError_t launch_grouped_shrink(const GroupedArgs& a, cudaStream_t stream) {
+  const bool bf16 = a.dtype == DType::kBf16;
+  if (a.R <= 16)
+    return bf16 ? grouped_shrink_nrg<DType::kBf16, 8>(a, stream)
+                : grouped_shrink_nrg<DType::kF16, 8>(a, stream);
+  if (a.R <= 32)
+    return bf16 ? grouped_shrink_nrg<DType::kBf16, 4>(a, stream)
+                : grouped_shrink_nrg<DType::kF16, 4>(a, stream);
+  return bf16 ? grouped_shrink_nrg<DType::kBf16, 2>(a, stream)
+              : grouped_shrink_nrg<DType::kF16, 2>(a, stream);
 }
 
+}  // namespace fast
 }  // namespace moelora

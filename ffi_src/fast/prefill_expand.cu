@@ -1,0 +1,286 @@
+// Prefill fold, second launch: out[r] = round(out[r] + s * round(xa[r] . B))
+// for every row of the window that folds, xa from prefill_shrink.cu; and
+// launch_grouped_fast, which picks the kernels for a grouped fold.
+//
+// The expand streams base_out: one CTA per tile of kExpRows consecutive rows
+// and kExpCols output columns, whatever the experts and adapters in it.
+//  1. The CTA's base_out tile is copied into shared memory (cp.async, 16-byte
+//     pieces, one warp per row) before anything else: it is in flight
+//     during the metadata.
+//  2. The tile's rows resolve their (adapter, expert) cell (the expert from a
+//     binary search of expert_offsets), and are ranked by cell in shared
+//     memory: a segment of slots per cell.
+//  3. After griddepcontrol.wait (the shrink grid has ended), the xa rows are
+//     loaded in slot order and each segment's delta = round(xa . B) is computed
+//     on the tensor cores (mma m16n8k16: 16 slots x 8 columns x 16 ranks) and
+//     folded into the tile in shared memory.
+//  4. The rows that fold are stored (16-byte vectors); the other rows are
+//     never written.
+
+#include "fast/fast_common.cuh"
+
+namespace moelora {
+namespace fast {
+namespace {
+
+constexpr int kExpThreads = 256;
+constexpr int kExpWarps = kExpThreads / 32;
+constexpr int kExpRows = 64;                        // rows per tile
+constexpr int kExpCols = 256;                       // output columns per CTA
+constexpr int kExpVecs = kExpCols / 8;              // 16-byte vectors per row: one per lane
+constexpr int kExpRowsPerThread = kExpRows / kExpWarps;
+constexpr int kExpNTiles = kExpCols / 8 / kExpWarps;  // 8-column mma tiles per warp
+static_assert(kExpVecs == 32, "one warp covers a row's columns");
+
+struct ExpandParams {
+  GroupedArgs a;
+  int64_t lo, hi;  // the window, clipped to [0, te)
+  int r16, xs;     // R rounded up to 16; xa row stride in shared memory (elements)
+};
+
+// Shared memory: the base_out tile [kExpRows][kExpCols] and xa
+// [kExpRows][xs] (activation dtype), then the per-row and per-slot metadata.
+struct ExpandLayout {
+  int off_out, off_xa, off_meta, total;
+  __host__ __device__ explicit ExpandLayout(int xs) {
+    off_out = 0;
+    off_xa = off_out + kExpRows * kExpCols * 2;
+    off_meta = off_xa + kExpRows * xs * 2;
+    total = off_meta + (6 * kExpRows + 8) * 4;
+  }
+};
+
+// The expert of row r: the last e with offsets[e] <= r, when r < offsets[E]
+// (offsets checked well formed: non-decreasing).
+__device__ __forceinline__ int64_t row_expert(const int32_t* offsets, int64_t E, int64_t r) {
+  if (r < offsets[0] || r >= offsets[E]) return -1;
+  int64_t lo = 0, hi = E;  // offsets[lo] <= r < offsets[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (offsets[mid] <= r) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+template <DType D>
+__global__ void __launch_bounds__(kExpThreads, 3) grouped_expand_kernel(const ExpandParams p) {
+  extern __shared__ __align__(128) char smem[];
+  const GroupedArgs& a = p.a;
+  const ExpandLayout lay(p.xs);
+  uint16_t* s_xa = reinterpret_cast<uint16_t*>(smem + lay.off_xa);
+  uint16_t* s_out = reinterpret_cast<uint16_t*>(smem + lay.off_out);
+  int* s_key = reinterpret_cast<int*>(smem + lay.off_meta);  // [rows] cell or INT_MAX
+  int* s_b = s_key + kExpRows;                               // [rows] B pool slot
+  float* s_scale = reinterpret_cast<float*>(s_b + kExpRows);  // [rows]
+  int* s_slot = reinterpret_cast<int*>(s_scale + kExpRows);  // [rows] slot of the row
+  int* s_row = s_slot + kExpRows;                            // [slots] row of the slot
+  int* s_seg = s_row + kExpRows;                             // [segments + 1] first slots
+  int* s_misc = s_seg + kExpRows + 1;                        // [0]: folding rows, [1]: segments
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int64_t rb = p.lo + int64_t(blockIdx.x) * kExpRows;
+  const int64_t c0 = int64_t(blockIdx.y) * kExpCols;
+  const int64_t N = a.N;
+  const int64_t col = c0 + 8 * lane;  // N % 8 == 0: the vector is all in or all out
+  uint16_t* out = static_cast<uint16_t*>(a.out);
+
+  // 1. base_out in flight
+#pragma unroll
+  for (int i = 0; i < kExpRowsPerThread; ++i) {
+    const int q = w + kExpWarps * i;
+    const int64_t r = rb + q;
+    const bool valid = r < p.hi && col < N;
+    cp_async16(s_out + q * kExpCols + 8 * lane, valid ? out + r * N + col : out, valid);
+  }
+  cp_async_commit();
+  if (!cta_offsets_well_formed(a.expert_offsets, a.num_experts, a.te)) return;  // uniform
+
+  // 2. the rows' cells, ranked
+  if (tid < kExpRows) {
+    const int64_t r = rb + tid;
+    int key = INT_MAX, b = 0;
+    float scale = 0.f;
+    if (r < p.hi) {
+      const int64_t e = row_expert(a.expert_offsets, a.num_experts, r);
+      int64_t tk, ad;
+      Pair pair;
+      if (e >= 0 &&
+          grouped_row_adapter(a.sorted_token_ids, a.row_adapter, a.has_row_adapter, a.num_tokens,
+                              a.x_gather, r, &tk, &ad) &&
+          resolve_pair(a.route, ad, e, &pair)) {
+        const int64_t l = a.route.num_loras == 1 ? 0 : ad;
+        key = int(l * a.route.n_experts + e);
+        b = pair.b;
+        scale = pair.scale;
+      }
+    }
+    s_key[tid] = key;
+    s_b[tid] = b;
+    s_scale[tid] = scale;
+  }
+  __syncthreads();
+  if (tid < kExpRows) {
+    const int key = s_key[tid];
+    int rank = 0;
+    for (int q = 0; q < kExpRows; ++q) {
+      const int k = s_key[q];
+      rank += (k < key || (k == key && q < tid)) ? 1 : 0;
+    }
+    s_slot[tid] = rank;
+    s_row[rank] = tid;
+  }
+  __syncthreads();
+  if (w < 2) {  // segment starts among the folding slots, in slot order
+    const int s = tid;
+    const int key = s_key[s_row[s]];
+    const bool start = key != INT_MAX && (s == 0 || s_key[s_row[s - 1]] != key);
+    const unsigned m = __ballot_sync(0xffffffffu, start);
+    const unsigned live = __ballot_sync(0xffffffffu, key != INT_MAX);
+    if (lane == 0) {
+      s_misc[2 + w] = __popc(m);
+      s_misc[4 + w] = __popc(live);
+    }
+    __syncwarp();
+    asm volatile("bar.sync 1, 64;");
+    const int before = w == 0 ? 0 : s_misc[2];
+    if (start) s_seg[before + __popc(m & ((1u << lane) - 1u))] = s;
+    if (tid == 0) {
+      s_misc[0] = s_misc[4] + s_misc[5];  // folding rows = slots [0, n_fold)
+      s_misc[1] = s_misc[2] + s_misc[3];  // segments
+    }
+  }
+  __syncthreads();
+  const int n_fold = s_misc[0], n_seg = s_misc[1];
+  if (tid == 0) s_seg[n_seg] = n_fold;
+
+  // 3. xa in slot order, then delta per segment
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (n_fold == 0) return;  // uniform: nothing of this tile folds
+  const int R = int(a.R), xs = p.xs, vecs = p.r16 / 8;
+  const uint16_t* xa_g = static_cast<const uint16_t*>(a.xa);
+  for (int i = tid; i < kExpRows * vecs; i += kExpThreads) {
+    const int s = i / vecs, v = i - s * vecs;
+    uint4 val = make_uint4(0u, 0u, 0u, 0u);
+    if (s < n_fold && 8 * v < R)
+      val = *reinterpret_cast<const uint4*>(xa_g + (rb + s_row[s]) * R + 8 * v);
+    *reinterpret_cast<uint4*>(s_xa + s * xs + 8 * v) = val;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  const int g = lane >> 2, t = lane & 3;
+  const uint16_t* b_pool = static_cast<const uint16_t*>(a.b_pool);
+  for (int sg = 0; sg < n_seg; ++sg) {
+    const int s0 = s_seg[sg], s1 = s_seg[sg + 1];
+    const uint16_t* B = b_pool + int64_t(s_b[s_row[s0]]) * N * R;
+    for (int mt = s0 / 16; mt * 16 < s1; ++mt) {
+      float acc[kExpNTiles][4];
+#pragma unroll
+      for (int u = 0; u < kExpNTiles; ++u)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[u][i] = 0.f;
+      for (int ks = 0; ks < p.r16; ks += 16) {
+        // k order within the step: lane t holds ranks ks + 4t .. ks + 4t + 3
+        const uint2 xlo = *reinterpret_cast<const uint2*>(s_xa + (mt * 16 + g) * xs + ks + 4 * t);
+        const uint2 xhi =
+            *reinterpret_cast<const uint2*>(s_xa + (mt * 16 + g + 8) * xs + ks + 4 * t);
+        const bool kv = ks + 4 * t < R;  // R % 8 == 0: the 4 ranks are all in or all out
+#pragma unroll
+        for (int u = 0; u < kExpNTiles; ++u) {
+          const int64_t n = c0 + 8 * (w + kExpWarps * u) + g;
+          uint2 bv = make_uint2(0u, 0u);
+          if (kv && n < N) bv = __ldg(reinterpret_cast<const uint2*>(B + n * R + ks + 4 * t));
+          Mma<D>::run(acc[u], xlo.x, xhi.x, xlo.y, xhi.y, bv.x, bv.y);
+        }
+      }
+      // c0, c1: slot mt*16 + g, columns 2t, 2t+1; c2, c3: slot + 8
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int s = mt * 16 + g + 8 * h;
+        if (s < s0 || s >= s1) continue;
+        const int q = s_row[s];
+        const float scale = s_scale[q];
+#pragma unroll
+        for (int u = 0; u < kExpNTiles; ++u) {
+          uint32_t* o = reinterpret_cast<uint32_t*>(s_out + q * kExpCols + 8 * (w + kExpWarps * u) +
+                                                    2 * t);
+          const uint32_t ow = *o;
+          const uint32_t lo = f2h<D>(fold_add(h2f<D>(uint16_t(ow & 0xffffu)), scale,
+                                              h2f<D>(f2h<D>(acc[u][2 * h]))));
+          const uint32_t hi = f2h<D>(fold_add(h2f<D>(uint16_t(ow >> 16)), scale,
+                                              h2f<D>(f2h<D>(acc[u][2 * h + 1]))));
+          *o = lo | (hi << 16);
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // 4. store the rows that fold
+#pragma unroll
+  for (int i = 0; i < kExpRowsPerThread; ++i) {
+    const int q = w + kExpWarps * i;
+    const int64_t r = rb + q;
+    if (r >= p.hi || col >= N || s_key[q] == INT_MAX) continue;
+    __stcs(reinterpret_cast<uint4*>(out + r * N + col),
+           *reinterpret_cast<const uint4*>(s_out + q * kExpCols + 8 * lane));
+  }
+}
+
+template <DType D>
+cudaError_t grouped_expand(const GroupedArgs& a, int64_t lo, int64_t hi, cudaStream_t stream) {
+  ExpandParams p;
+  p.a = a;
+  p.lo = lo;
+  p.hi = hi;
+  p.r16 = int((a.R + 15) / 16 * 16);
+  p.xs = p.r16 + 8;
+  const ExpandLayout lay(p.xs);
+  auto kernel = grouped_expand_kernel<D>;
+  if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(kernel), lay.total);
+      err != cudaSuccess)
+    return err;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned((hi - lo + kExpRows - 1) / kExpRows),
+                     unsigned((a.N + kExpCols - 1) / kExpCols), 1);
+  cfg.blockDim = dim3(kExpThreads, 1, 1);
+  cfg.dynamicSmemBytes = size_t(lay.total);
+  cfg.stream = stream;
+  // Programmatic dependent launch: the expand's CTAs may start while the
+  // shrink runs; griddepcontrol.wait orders their xa reads after it.
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
+}  // namespace
+
+// The split kernels read x, A, B and xa with 16-byte vectors, base_out with
+// 16-byte vectors of whole rows, and keep row ids and cells in int.
+bool grouped_split_fits(const GroupedArgs& a) {
+  return a.K % 8 == 0 && a.N % 8 == 0 && a.R % 8 == 0 && a.R <= kMaxRank && aligned16(a.x) &&
+         aligned16(a.a_pool) && aligned16(a.b_pool) && aligned16(a.out) && aligned16(a.xa) &&
+         a.te < INT_MAX && a.route.num_loras * a.route.n_experts < INT_MAX &&
+         (a.N + kExpCols - 1) / kExpCols <= 65535;
+}
+
+}  // namespace fast
+
+// bf16/f16 folds that fit the split kernels run the shrink then the expand;
+// others take the seed kernels; f32 takes rows_f32.cu.
+cudaError_t launch_grouped_fast(const GroupedArgs& args, cudaStream_t stream) {
+  using namespace fast;
+  if (args.te <= 0 || args.N <= 0 || args.K <= 0 || args.R <= 0) return cudaSuccess;
+  if (args.dtype == DType::kF32) return launch_grouped_f32(args, stream);
+  if (!grouped_split_fits(args)) return launch_grouped_seed(args, stream);
+  const int64_t lo = std::max<int64_t>(0, args.row_offset);
+  const int64_t hi = std::min<int64_t>(args.row_end, args.te);
+  if (hi <= lo || std::min<int64_t>(args.route.n_experts, args.num_experts) <= 0)
+    return cudaSuccess;
+  if (const cudaError_t err = launch_grouped_shrink(args, stream); err != cudaSuccess) return err;
+  return args.dtype == DType::kBf16 ? grouped_expand<DType::kBf16>(args, lo, hi, stream)
+                                    : grouped_expand<DType::kF16>(args, lo, hi, stream);
+}
+
+}  // namespace moelora
