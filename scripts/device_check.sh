@@ -17,7 +17,8 @@
 #        builds the kernels and runs the demo on the GPU; it replaces build)
 #        BENCH="<bench args>"  BENCH2="<a second bench>"  TESTS="<pytest args of the suite step>"
 #        SAN_FILES="<test files of the sanitizer steps>"  SAN_K="<their -k expression>"
-#        KERNELS=<ncu name regex>  NCU_ARGS="<bench args of the ncu step>"
+#        KERNELS=<ncu name regex>  NCU_ARGS="<bench args of the ncu step>"  NCU2_ARGS="<a second one>"
+#        NCU_LAUNCHES=<launches profiled per ncu run, default 2>
 #        CMDBUF_FLAGS="<XLA_FLAGS of the cmdbuf step's second runs>"  GEMM="<bench --gemm args>"
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -92,13 +93,19 @@ has memcheck && san memcheck 150
 has racecheck && san racecheck 150
 has initcheck && san initcheck 120
 has synccheck && san synccheck 120
-if has ncu; then  # one launch of each kernel matching KERNELS
-  step ncu; timeout 90 ncu --clock-control none -k regex:"${KERNELS:-cells}" --launch-count 2 \
+ncu_bench() {  # ncu_bench LOG BENCH_ARGS...: NCU_LAUNCHES launches of the kernels matching KERNELS
+  local log=$1; shift
+  timeout 120 ncu --clock-control none -k regex:"${KERNELS:-cells}" --launch-count "${NCU_LAUNCHES:-2}" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section SchedulerStats \
-    python3 -m jax_moelora bench ${NCU_ARGS:---models qwen --projs gate --tokens 64 --ranks 16 --adapters 4} \
+    python3 -m jax_moelora bench "$@" \
     --methods fast --reps 1 --runs 1 --warmup 1 --no-check --no-plot --bw-mib 16 --out /tmp/ncu_bench \
-    > "$R/ncu.log" 2>&1; step "ncu rc=$?"
+    > "$log" 2>&1
+}
+if has ncu; then  # the kernels matching KERNELS in the NCU_ARGS bench, then in NCU2_ARGS when set
+  step ncu; ncu_bench "$R/ncu.log" ${NCU_ARGS:---models qwen --projs gate --tokens 64 --ranks 16 --adapters 4}
+  step "ncu rc=$?"
+  if [ -n "${NCU2_ARGS:-}" ]; then ncu_bench "$R/ncu2.log" $NCU2_ARGS; step "ncu2 rc=$?"; fi
 fi
 if has scaling && [ "$(nvidia-smi -L | wc -l)" -gt 1 ]; then
   step scaling; CUDA_VISIBLE_DEVICES=0,1 timeout 90 python3 -m jax_moelora.scaling --json "$R/scaling.json" > "$R/scaling.log" 2>&1; step "scaling rc=$?"

@@ -30,6 +30,7 @@ constexpr int kExpCols = 256;                       // output columns per CTA
 constexpr int kExpVecs = kExpCols / 8;              // 16-byte vectors per row: one per lane
 constexpr int kExpRowsPerThread = kExpRows / kExpWarps;
 constexpr int kExpNTiles = kExpCols / 8 / kExpWarps;  // 8-column mma tiles per warp
+constexpr int kExpMaxOffsets = 1024;               // expert_offsets kept in shared memory
 static_assert(kExpVecs == 32, "one warp covers a row's columns");
 
 struct ExpandParams {
@@ -39,13 +40,15 @@ struct ExpandParams {
 };
 
 // Shared memory: the base_out tile [kExpRows][kExpCols] and xa
-// [kExpRows][xs] (activation dtype), then the per-row and per-slot metadata.
+// [kExpRows][xs] (activation dtype), expert_offsets (up to kExpMaxOffsets),
+// then the per-row and per-slot metadata.
 struct ExpandLayout {
-  int off_out, off_xa, off_meta, total;
+  int off_out, off_xa, off_offsets, off_meta, total;
   __host__ __device__ explicit ExpandLayout(int xs) {
     off_out = 0;
     off_xa = off_out + kExpRows * kExpCols * 2;
-    off_meta = off_xa + kExpRows * xs * 2;
+    off_offsets = off_xa + kExpRows * xs * 2;
+    off_meta = off_offsets + kExpMaxOffsets * 4;
     total = off_meta + (6 * kExpRows + 8) * 4;
   }
 };
@@ -92,6 +95,13 @@ __global__ void __launch_bounds__(kExpThreads, 3) grouped_expand_kernel(const Ex
     cp_async16(s_out + q * kExpCols + 8 * lane, valid ? out + r * N + col : out, valid);
   }
   cp_async_commit();
+  // expert_offsets in shared memory when they fit (the binary searches below)
+  const int32_t* offsets = a.expert_offsets;
+  if (a.num_experts < kExpMaxOffsets) {
+    int32_t* s_off = reinterpret_cast<int32_t*>(smem + lay.off_offsets);
+    for (int64_t e = tid; e <= a.num_experts; e += kExpThreads) s_off[e] = offsets[e];
+    offsets = s_off;  // visible after the barrier of cta_offsets_well_formed
+  }
   if (!cta_offsets_well_formed(a.expert_offsets, a.num_experts, a.te)) return;  // uniform
 
   // 2. the rows' cells, ranked
@@ -100,7 +110,7 @@ __global__ void __launch_bounds__(kExpThreads, 3) grouped_expand_kernel(const Ex
     int key = INT_MAX, b = 0;
     float scale = 0.f;
     if (r < p.hi) {
-      const int64_t e = row_expert(a.expert_offsets, a.num_experts, r);
+      const int64_t e = row_expert(offsets, a.num_experts, r);
       int64_t tk, ad;
       Pair pair;
       if (e >= 0 &&

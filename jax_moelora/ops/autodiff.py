@@ -48,6 +48,7 @@ import jax.numpy as jnp
 
 from jax_moelora.ops import batching, jnp_fold
 from jax_moelora.ops.batching import GatherCfg, GroupedCfg
+from jax_moelora.ops.jnp_fold import rounded
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["gather_bgmv", "grouped_down", "backward_mode", "tile_rows", "fold_rows_vjp"]
@@ -98,8 +99,7 @@ def _cells(route: MoeExpertRoute, adapter, expert):
 def _dot(spec, a, b):
     """einsum of f32-widened operands at full precision: exact products of
     bf16/f16 values, f32 sums, on every platform (the CPU dot thunks lack
-    mixed-precision kernels; XLA:GPU's mixed-precision dots measured far off an
-    f32 accumulation in the backward's scale gradient)."""
+    mixed-precision kernels)."""
     return jnp.einsum(spec, a.astype(_F32), b.astype(_F32), precision=_HI,
                       preferred_element_type=_F32)
 
@@ -115,13 +115,13 @@ def _bwd_dense(x, route, g_rows, xi, cell, ok):
     hot_b = jax.nn.one_hot(b_slot, P, dtype=_F32) * okf
     xr = x[xi]                                                        # [m, K]
     xa = jnp.einsum("mpr,mp->mr", _dot("mk,prk->mpr", xr, route.a_pool), hot_a, precision=_HI)
-    xa = xa.astype(dt).astype(_F32)                                   # forward rounding
+    xa = rounded(xa, dt).astype(_F32)                                 # forward rounding
     gB = jnp.einsum("mpr,mp->mr", _dot("mn,pnr->mpr", g_rows, route.b_pool), hot_b,
                     precision=_HI)
     d_xa = s * gB                                                     # [m, R]
     ds_rows = jnp.sum(xa * gB, axis=1) * okf[:, 0]
-    sel_a = (hot_a[:, :, None] * d_xa[:, None, :]).astype(dt)         # [m, P, R]
-    sel_b = (hot_b[:, :, None] * (s * xa)[:, None, :]).astype(dt)
+    sel_a = rounded(hot_a[:, :, None] * d_xa[:, None, :], dt)         # [m, P, R]
+    sel_b = rounded(hot_b[:, :, None] * (s * xa)[:, None, :], dt)
     dx_rows = _dot("mpr,prk->mk", sel_a, route.a_pool)
     da = _dot("mpr,mk->prk", sel_a, xr)
     db = _dot("mpr,mn->pnr", sel_b, g_rows)
@@ -160,9 +160,9 @@ def _bwd_tiled(x, route, g_rows, xi, cell, ok):
     Gp = jnp.where(live[:, None], g_rows[srcc], 0).reshape(n_tiles, T, -1)  # [t, T, N]
     A = route.a_pool[a_t]                                                   # [t, R, K]
     B = route.b_pool[b_t]                                                   # [t, N, R]
-    xa = _dot("tik,tjk->tij", X, A).astype(dt)                              # forward rounding
+    xa = rounded(_dot("tik,tjk->tij", X, A), dt)                            # forward rounding
     gB = _dot("tin,tnj->tij", Gp, B)
-    d_xa = (s_t * gB).astype(dt)
+    d_xa = rounded(s_t * gB, dt)
     ds_t = jnp.sum(xa.astype(_F32) * gB, axis=(1, 2))                      # [t]
     dx_rows = _dot("tij,tjk->tik", d_xa, A).reshape(n_pad, -1)
     da_t = _dot("tij,tik->tjk", d_xa, X)

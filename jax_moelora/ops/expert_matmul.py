@@ -42,6 +42,7 @@ import numpy as np
 from jax_moelora import _ext
 from jax_moelora.ops import autodiff, expert_matmul_ffi
 from jax_moelora.ops.folds import resolve_impl
+from jax_moelora.ops.jnp_fold import rounded
 from jax_moelora.tables import FLOAT_DTYPES, MoeExpertRoute
 
 __all__ = ["expert_matmul", "expert_offsets", "uses_kernel", "EXPERT_MATMUL_IMPLS"]
@@ -162,10 +163,9 @@ def _ragged(xs, w, offsets):
     ``offsets[-1]`` are zero."""
     sizes = jnp.diff(offsets)
     # operands widened to f32: exact products, f32 sums on every platform (the
-    # CPU dot thunks lack mixed-precision kernels, and XLA:GPU's mixed-precision
-    # dots measured several ulp off an f32 accumulation)
+    # CPU dot thunks lack mixed-precision kernels)
     acc = jax.lax.ragged_dot(xs.astype(_F32), w.astype(_F32), sizes, precision=_HI)
-    return acc.astype(xs.dtype)
+    return rounded(acc, xs.dtype)
 
 
 def _fold(impl: str, xs, base, offsets, stids, route, ra):

@@ -10,13 +10,26 @@ import jax.numpy as jnp
 from jax_moelora.ops.contract import offsets_well_formed
 from jax_moelora.tables import MoeExpertRoute
 
-__all__ = ["resolve_pairs", "apply_rows", "gather_bgmv_jnp", "grouped_rows", "grouped_down_jnp"]
+__all__ = ["resolve_pairs", "apply_rows", "gather_bgmv_jnp", "grouped_rows", "grouped_down_jnp",
+           "rounded"]
 
 # Rows folded per step of the chunked per-row gather (bounds the memory of
 # the gathered A/B blocks: CHUNK * R * (K + N) elements).
 CHUNK = 256
 
 _HI = jax.lax.Precision.HIGHEST
+
+
+def rounded(v: jax.Array, dtype) -> jax.Array:
+    """``v`` rounded to ``dtype`` (round to nearest even), a rounding XLA keeps.
+
+    XLA may drop a narrowing ``convert`` that a widening one follows
+    (``xla_allow_excess_precision``, on by default, does on the GPU); the
+    contract rounds xa, delta and the expert GEMM's output to the activation
+    dtype, so a narrowed value passes through an optimization barrier.
+    """
+    v = v.astype(dtype)
+    return v if v.dtype == jnp.float32 else jax.lax.optimization_barrier(v)
 
 
 def resolve_pairs(route: MoeExpertRoute, adapter: jax.Array, expert: jax.Array):
@@ -42,10 +55,10 @@ def resolve_pairs(route: MoeExpertRoute, adapter: jax.Array, expert: jax.Array):
 def _fold_chunk(xr, base, a, b, s, ok, a_pool, b_pool):
     dt = base.dtype
     f32 = jnp.float32  # widened operands: exact products, f32 sums on every platform
-    xa = jnp.einsum("rk,rjk->rj", xr.astype(f32), a_pool[a].astype(f32), precision=_HI,
-                    preferred_element_type=f32).astype(dt)
-    delta = jnp.einsum("rj,rnj->rn", xa.astype(f32), b_pool[b].astype(f32), precision=_HI,
-                       preferred_element_type=f32).astype(dt)
+    xa = rounded(jnp.einsum("rk,rjk->rj", xr.astype(f32), a_pool[a].astype(f32), precision=_HI,
+                            preferred_element_type=f32), dt)
+    delta = rounded(jnp.einsum("rj,rnj->rn", xa.astype(f32), b_pool[b].astype(f32), precision=_HI,
+                               preferred_element_type=f32), dt)
     folded = (base.astype(jnp.float32) + s[:, None] * delta.astype(jnp.float32)).astype(dt)
     return jnp.where(ok[:, None], folded, base)
 
