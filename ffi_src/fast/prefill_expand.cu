@@ -2,20 +2,20 @@
 // for every row of the window that folds, xa from prefill_shrink.cu; and
 // launch_grouped_fast, which picks the kernels for a grouped fold.
 //
-// The expand streams base_out: one CTA per tile of kExpRows consecutive rows
-// and kExpCols output columns, whatever the experts and adapters in it.
-//  1. The CTA's base_out tile is copied into shared memory (cp.async, 16-byte
-//     pieces, one warp per row) before anything else: it is in flight
-//     during the metadata.
-//  2. The tile's rows resolve their (adapter, expert) cell (the expert from a
-//     binary search of expert_offsets), and are ranked by cell in shared
-//     memory: a segment of slots per cell.
-//  3. After griddepcontrol.wait (the shrink grid has ended), the xa rows are
-//     loaded in slot order and each segment's delta = round(xa . B) is computed
-//     on the tensor cores (mma m16n8k16: 16 slots x 8 columns x 16 ranks) and
-//     folded into the tile in shared memory.
-//  4. The rows that fold are stored (16-byte vectors); the other rows are
-//     never written.
+// The expand streams base_out. One CTA owns a tile of kExpRows consecutive
+// rows, whatever the experts and adapters in it, and walks a share of its
+// kExpCols-column chunks:
+//  1. The first chunks of the base_out tile start their copy into shared
+//     memory (cp.async, 16-byte pieces) before anything else.
+//  2. Once per tile, the rows resolve their (adapter, expert) cell (the expert
+//     by a binary search of expert_offsets in shared memory) and are ranked
+//     by cell: a segment of slots per cell. After griddepcontrol.wait (the
+//     shrink grid has ended) the xa rows are loaded in slot order.
+//  3. Per chunk, in a kExpStages-stage pipeline (the copy of chunk i + S - 1
+//     overlaps the work on chunk i): each segment's delta = round(xa . B) on
+//     the tensor cores (mma m16n8k16: 16 slots x 8 columns x 16 ranks), folded
+//     into the chunk in shared memory; the rows that fold are stored in
+//     16-byte vectors, the other rows are never written.
 
 #include "fast/fast_common.cuh"
 
@@ -25,31 +25,36 @@ namespace {
 
 constexpr int kExpThreads = 256;
 constexpr int kExpWarps = kExpThreads / 32;
-constexpr int kExpRows = 64;                        // rows per tile
-constexpr int kExpCols = 256;                       // output columns per CTA
-constexpr int kExpVecs = kExpCols / 8;              // 16-byte vectors per row: one per lane
-constexpr int kExpRowsPerThread = kExpRows / kExpWarps;
+constexpr int kExpRows = 64;                          // rows per tile
+constexpr int kExpCols = 128;                         // output columns per chunk
+constexpr int kExpStages = 3;                         // chunks in flight per CTA
+constexpr int kExpOStride = kExpCols + 8;             // chunk row stride in shared memory
+constexpr int kExpStage = kExpRows * kExpOStride;     // elements per stage
+constexpr int kExpPieces = kExpRows * kExpCols / 8;   // 16-byte pieces per chunk
+constexpr int kExpPiecesPerThread = kExpPieces / kExpThreads;
+constexpr int kExpRowVecs = kExpCols / 8;             // 16-byte pieces per chunk row
 constexpr int kExpNTiles = kExpCols / 8 / kExpWarps;  // 8-column mma tiles per warp
-constexpr int kExpMaxOffsets = 1024;               // expert_offsets kept in shared memory
-static_assert(kExpVecs == 32, "one warp covers a row's columns");
+constexpr int kExpMaxOffsets = 1024;                  // expert_offsets kept in shared memory
+constexpr int kExpResident = 3;                       // CTAs per SM (launch bounds)
 
 struct ExpandParams {
   GroupedArgs a;
   int64_t lo, hi;  // the window, clipped to [0, te)
   int r16, xs;     // R rounded up to 16; xa row stride in shared memory (elements)
+  int chunks;      // kExpCols-column chunks of a row
 };
 
-// Shared memory: the base_out tile [kExpRows][kExpCols] and xa
-// [kExpRows][xs] (activation dtype), expert_offsets (up to kExpMaxOffsets),
-// then the per-row and per-slot metadata.
+// Shared memory: kExpStages chunks of the base_out tile [kExpRows][kExpOStride]
+// and xa [kExpRows][xs] (activation dtype), expert_offsets (up to
+// kExpMaxOffsets), then the per-row and per-slot metadata.
 struct ExpandLayout {
   int off_out, off_xa, off_offsets, off_meta, total;
   __host__ __device__ explicit ExpandLayout(int xs) {
     off_out = 0;
-    off_xa = off_out + kExpRows * kExpCols * 2;
+    off_xa = off_out + kExpStages * kExpStage * 2;
     off_offsets = off_xa + kExpRows * xs * 2;
     off_meta = off_offsets + kExpMaxOffsets * 4;
-    total = off_meta + (6 * kExpRows + 8) * 4;
+    total = off_meta + (10 * kExpRows + 8) * 4;
   }
 };
 
@@ -66,35 +71,46 @@ __device__ __forceinline__ int64_t row_expert(const int32_t* offsets, int64_t E,
 }
 
 template <DType D>
-__global__ void __launch_bounds__(kExpThreads, 3) grouped_expand_kernel(const ExpandParams p) {
+__global__ void __launch_bounds__(kExpThreads, kExpResident)
+    grouped_expand_kernel(const ExpandParams p) {
   extern __shared__ __align__(128) char smem[];
   const GroupedArgs& a = p.a;
   const ExpandLayout lay(p.xs);
-  uint16_t* s_xa = reinterpret_cast<uint16_t*>(smem + lay.off_xa);
   uint16_t* s_out = reinterpret_cast<uint16_t*>(smem + lay.off_out);
+  uint16_t* s_xa = reinterpret_cast<uint16_t*>(smem + lay.off_xa);
   int* s_key = reinterpret_cast<int*>(smem + lay.off_meta);  // [rows] cell or INT_MAX
   int* s_b = s_key + kExpRows;                               // [rows] B pool slot
   float* s_scale = reinterpret_cast<float*>(s_b + kExpRows);  // [rows]
   int* s_slot = reinterpret_cast<int*>(s_scale + kExpRows);  // [rows] slot of the row
   int* s_row = s_slot + kExpRows;                            // [slots] row of the slot
-  int* s_seg = s_row + kExpRows;                             // [segments + 1] first slots
-  int* s_misc = s_seg + kExpRows + 1;                        // [0]: folding rows, [1]: segments
+  int* s_part = s_row + kExpRows;                            // [4][rows] partial ranks
+  int* s_seg = s_part + 4 * kExpRows;                        // [segments + 1] first slots
+  int* s_misc = s_seg + kExpRows + 1;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int64_t rb = p.lo + int64_t(blockIdx.x) * kExpRows;
-  const int64_t c0 = int64_t(blockIdx.y) * kExpCols;
   const int64_t N = a.N;
-  const int64_t col = c0 + 8 * lane;  // N % 8 == 0: the vector is all in or all out
   uint16_t* out = static_cast<uint16_t*>(a.out);
-
-  // 1. base_out in flight
+  // this CTA's chunks: blockIdx.y, blockIdx.y + gridDim.y, ...
+  const int my_chunks = (p.chunks - int(blockIdx.y) + int(gridDim.y) - 1) / int(gridDim.y);
+  auto issue = [&](int i) {  // chunk i of this CTA into stage i % kExpStages
+    if (i < my_chunks) {
+      const int64_t c0 = int64_t(blockIdx.y + i * gridDim.y) * kExpCols;
+      uint16_t* st = s_out + (i % kExpStages) * kExpStage;
 #pragma unroll
-  for (int i = 0; i < kExpRowsPerThread; ++i) {
-    const int q = w + kExpWarps * i;
-    const int64_t r = rb + q;
-    const bool valid = r < p.hi && col < N;
-    cp_async16(s_out + q * kExpCols + 8 * lane, valid ? out + r * N + col : out, valid);
-  }
-  cp_async_commit();
+      for (int j = 0; j < kExpPiecesPerThread; ++j) {
+        const int piece = tid + j * kExpThreads;
+        const int q = piece / kExpRowVecs, v = piece % kExpRowVecs;
+        const int64_t r = rb + q, col = c0 + 8 * v;
+        const bool valid = r < p.hi && col < N;  // N % 8 == 0: a piece is all in or all out
+        cp_async16(st + q * kExpOStride + 8 * v, valid ? out + r * N + col : out, valid);
+      }
+    }
+    cp_async_commit();
+  };
+
+  // 1. the first chunks in flight
+#pragma unroll
+  for (int i = 0; i < kExpStages - 1; ++i) issue(i);
   // expert_offsets in shared memory when they fit (the binary searches below)
   const int32_t* offsets = a.expert_offsets;
   if (a.num_experts < kExpMaxOffsets) {
@@ -102,9 +118,12 @@ __global__ void __launch_bounds__(kExpThreads, 3) grouped_expand_kernel(const Ex
     for (int64_t e = tid; e <= a.num_experts; e += kExpThreads) s_off[e] = offsets[e];
     offsets = s_off;  // visible after the barrier of cta_offsets_well_formed
   }
-  if (!cta_offsets_well_formed(a.expert_offsets, a.num_experts, a.te)) return;  // uniform
+  if (!cta_offsets_well_formed(a.expert_offsets, a.num_experts, a.te)) {
+    cp_async_wait<0>();  // no copy outlives the CTA
+    return;  // uniform
+  }
 
-  // 2. the rows' cells, ranked
+  // 2. the rows' cells, ranked (4 threads a row), segments, xa
   if (tid < kExpRows) {
     const int64_t r = rb + tid;
     int key = INT_MAX, b = 0;
@@ -128,13 +147,21 @@ __global__ void __launch_bounds__(kExpThreads, 3) grouped_expand_kernel(const Ex
     s_scale[tid] = scale;
   }
   __syncthreads();
-  if (tid < kExpRows) {
-    const int key = s_key[tid];
+  {
+    const int q = tid % kExpRows, part = tid / kExpRows;  // 4 parts of 16 rows
+    const int key = s_key[q];
     int rank = 0;
-    for (int q = 0; q < kExpRows; ++q) {
-      const int k = s_key[q];
-      rank += (k < key || (k == key && q < tid)) ? 1 : 0;
+#pragma unroll
+    for (int j = 0; j < kExpRows / 4; ++j) {
+      const int o = part * (kExpRows / 4) + j, k = s_key[o];
+      rank += (k < key || (k == key && o < q)) ? 1 : 0;
     }
+    s_part[part * kExpRows + q] = rank;
+  }
+  __syncthreads();
+  if (tid < kExpRows) {
+    const int rank = s_part[tid] + s_part[kExpRows + tid] + s_part[2 * kExpRows + tid] +
+                     s_part[3 * kExpRows + tid];
     s_slot[tid] = rank;
     s_row[rank] = tid;
   }
@@ -149,22 +176,24 @@ __global__ void __launch_bounds__(kExpThreads, 3) grouped_expand_kernel(const Ex
       s_misc[2 + w] = __popc(m);
       s_misc[4 + w] = __popc(live);
     }
-    __syncwarp();
-    asm volatile("bar.sync 1, 64;");
+    asm volatile("bar.sync 1, 64;" ::: "memory");
     const int before = w == 0 ? 0 : s_misc[2];
     if (start) s_seg[before + __popc(m & ((1u << lane) - 1u))] = s;
     if (tid == 0) {
-      s_misc[0] = s_misc[4] + s_misc[5];  // folding rows = slots [0, n_fold)
-      s_misc[1] = s_misc[2] + s_misc[3];  // segments
+      const int n_fold = s_misc[4] + s_misc[5];  // folding rows: slots [0, n_fold)
+      const int n_seg = s_misc[2] + s_misc[3];
+      s_misc[0] = n_fold;
+      s_misc[1] = n_seg;
+      s_seg[n_seg] = n_fold;
     }
   }
   __syncthreads();
   const int n_fold = s_misc[0], n_seg = s_misc[1];
-  if (tid == 0) s_seg[n_seg] = n_fold;
-
-  // 3. xa in slot order, then delta per segment
+  if (n_fold == 0) {  // uniform: nothing of this tile folds
+    cp_async_wait<0>();
+    return;
+  }
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  if (n_fold == 0) return;  // uniform: nothing of this tile folds
   const int R = int(a.R), xs = p.xs, vecs = p.r16 / 8;
   const uint16_t* xa_g = static_cast<const uint16_t*>(a.xa);
   for (int i = tid; i < kExpRows * vecs; i += kExpThreads) {
@@ -174,65 +203,73 @@ __global__ void __launch_bounds__(kExpThreads, 3) grouped_expand_kernel(const Ex
       val = *reinterpret_cast<const uint4*>(xa_g + (rb + s_row[s]) * R + 8 * v);
     *reinterpret_cast<uint4*>(s_xa + s * xs + 8 * v) = val;
   }
-  cp_async_wait<0>();
-  __syncthreads();
+
+  // 3. the chunks
   const int g = lane >> 2, t = lane & 3;
   const uint16_t* b_pool = static_cast<const uint16_t*>(a.b_pool);
-  for (int sg = 0; sg < n_seg; ++sg) {
-    const int s0 = s_seg[sg], s1 = s_seg[sg + 1];
-    const uint16_t* B = b_pool + int64_t(s_b[s_row[s0]]) * N * R;
-    for (int mt = s0 / 16; mt * 16 < s1; ++mt) {
-      float acc[kExpNTiles][4];
+  for (int i = 0; i < my_chunks; ++i) {
+    cp_async_wait<kExpStages - 2>();  // chunk i has landed (this thread's pieces)
+    __syncthreads();                  // everyone's pieces, and chunk i - 1 is stored
+    issue(i + kExpStages - 1);        // into the stage chunk i - 1 used
+    const int64_t c0 = int64_t(blockIdx.y + i * gridDim.y) * kExpCols;
+    uint16_t* st = s_out + (i % kExpStages) * kExpStage;
+    for (int sg = 0; sg < n_seg; ++sg) {
+      const int s0 = s_seg[sg], s1 = s_seg[sg + 1];
+      const uint16_t* B = b_pool + int64_t(s_b[s_row[s0]]) * N * R;
+      for (int mt = s0 / 16; mt * 16 < s1; ++mt) {
+        float acc[kExpNTiles][4];
 #pragma unroll
-      for (int u = 0; u < kExpNTiles; ++u)
+        for (int u = 0; u < kExpNTiles; ++u)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[u][i] = 0.f;
-      for (int ks = 0; ks < p.r16; ks += 16) {
-        // k order within the step: lane t holds ranks ks + 4t .. ks + 4t + 3
-        const uint2 xlo = *reinterpret_cast<const uint2*>(s_xa + (mt * 16 + g) * xs + ks + 4 * t);
-        const uint2 xhi =
-            *reinterpret_cast<const uint2*>(s_xa + (mt * 16 + g + 8) * xs + ks + 4 * t);
-        const bool kv = ks + 4 * t < R;  // R % 8 == 0: the 4 ranks are all in or all out
+          for (int k = 0; k < 4; ++k) acc[u][k] = 0.f;
+        for (int ks = 0; ks < p.r16; ks += 16) {
+          // k order within the step: lane t holds ranks ks + 4t .. ks + 4t + 3
+          const uint2 xlo =
+              *reinterpret_cast<const uint2*>(s_xa + (mt * 16 + g) * xs + ks + 4 * t);
+          const uint2 xhi =
+              *reinterpret_cast<const uint2*>(s_xa + (mt * 16 + g + 8) * xs + ks + 4 * t);
+          const bool kv = ks + 4 * t < R;  // R % 8 == 0: the 4 ranks are all in or all out
 #pragma unroll
-        for (int u = 0; u < kExpNTiles; ++u) {
-          const int64_t n = c0 + 8 * (w + kExpWarps * u) + g;
-          uint2 bv = make_uint2(0u, 0u);
-          if (kv && n < N) bv = __ldg(reinterpret_cast<const uint2*>(B + n * R + ks + 4 * t));
-          Mma<D>::run(acc[u], xlo.x, xhi.x, xlo.y, xhi.y, bv.x, bv.y);
+          for (int u = 0; u < kExpNTiles; ++u) {
+            const int64_t n = c0 + 8 * (w + kExpWarps * u) + g;
+            uint2 bv = make_uint2(0u, 0u);
+            if (kv && n < N) bv = __ldg(reinterpret_cast<const uint2*>(B + n * R + ks + 4 * t));
+            Mma<D>::run(acc[u], xlo.x, xhi.x, xlo.y, xhi.y, bv.x, bv.y);
+          }
         }
-      }
-      // c0, c1: slot mt*16 + g, columns 2t, 2t+1; c2, c3: slot + 8
+        // c0, c1: slot mt*16 + g, columns 2t, 2t+1; c2, c3: slot + 8
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int s = mt * 16 + g + 8 * h;
-        if (s < s0 || s >= s1) continue;
-        const int q = s_row[s];
-        const float scale = s_scale[q];
+        for (int h = 0; h < 2; ++h) {
+          const int s = mt * 16 + g + 8 * h;
+          if (s < s0 || s >= s1) continue;
+          const int q = s_row[s];
+          const float scale = s_scale[q];
 #pragma unroll
-        for (int u = 0; u < kExpNTiles; ++u) {
-          uint32_t* o = reinterpret_cast<uint32_t*>(s_out + q * kExpCols + 8 * (w + kExpWarps * u) +
-                                                    2 * t);
-          const uint32_t ow = *o;
-          const uint32_t lo = f2h<D>(fold_add(h2f<D>(uint16_t(ow & 0xffffu)), scale,
-                                              h2f<D>(f2h<D>(acc[u][2 * h]))));
-          const uint32_t hi = f2h<D>(fold_add(h2f<D>(uint16_t(ow >> 16)), scale,
-                                              h2f<D>(f2h<D>(acc[u][2 * h + 1]))));
-          *o = lo | (hi << 16);
+          for (int u = 0; u < kExpNTiles; ++u) {
+            uint32_t* o =
+                reinterpret_cast<uint32_t*>(st + q * kExpOStride + 8 * (w + kExpWarps * u) + 2 * t);
+            const uint32_t ow = *o;
+            const uint32_t lo = f2h<D>(fold_add(h2f<D>(uint16_t(ow & 0xffffu)), scale,
+                                                h2f<D>(f2h<D>(acc[u][2 * h]))));
+            const uint32_t hi = f2h<D>(fold_add(h2f<D>(uint16_t(ow >> 16)), scale,
+                                                h2f<D>(f2h<D>(acc[u][2 * h + 1]))));
+            *o = lo | (hi << 16);
+          }
         }
       }
     }
-  }
-  __syncthreads();
-
-  // 4. store the rows that fold
+    __syncthreads();
 #pragma unroll
-  for (int i = 0; i < kExpRowsPerThread; ++i) {
-    const int q = w + kExpWarps * i;
-    const int64_t r = rb + q;
-    if (r >= p.hi || col >= N || s_key[q] == INT_MAX) continue;
-    __stcs(reinterpret_cast<uint4*>(out + r * N + col),
-           *reinterpret_cast<const uint4*>(s_out + q * kExpCols + 8 * lane));
+    for (int j = 0; j < kExpPiecesPerThread; ++j) {
+      const int piece = tid + j * kExpThreads;
+      const int q = piece / kExpRowVecs, v = piece % kExpRowVecs;
+      const int64_t r = rb + q, col = c0 + 8 * v;
+      if (r >= p.hi || col >= N || s_key[q] == INT_MAX) continue;
+      __stcs(reinterpret_cast<uint4*>(out + r * N + col),
+             *reinterpret_cast<const uint4*>(st + q * kExpOStride + 8 * v));
+    }
   }
+  cp_async_wait<0>();
 }
 
 template <DType D>
@@ -243,14 +280,19 @@ cudaError_t grouped_expand(const GroupedArgs& a, int64_t lo, int64_t hi, cudaStr
   p.hi = hi;
   p.r16 = int((a.R + 15) / 16 * 16);
   p.xs = p.r16 + 8;
+  p.chunks = int((a.N + kExpCols - 1) / kExpCols);
   const ExpandLayout lay(p.xs);
   auto kernel = grouped_expand_kernel<D>;
   if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(kernel), lay.total);
       err != cudaSuccess)
     return err;
+  // Two waves of resident CTAs: each tile's chunks are split over `groups`
+  // CTAs, the fewest that give every SM work for two rounds.
+  const int64_t tiles = (hi - lo + kExpRows - 1) / kExpRows;
+  const int64_t want = 2 * int64_t(sm_count()) * kExpResident;
+  const int64_t groups = std::min<int64_t>({(want + tiles - 1) / tiles, p.chunks, 65535});
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned((hi - lo + kExpRows - 1) / kExpRows),
-                     unsigned((a.N + kExpCols - 1) / kExpCols), 1);
+  cfg.gridDim = dim3(unsigned(tiles), unsigned(groups), 1);
   cfg.blockDim = dim3(kExpThreads, 1, 1);
   cfg.dynamicSmemBytes = size_t(lay.total);
   cfg.stream = stream;
@@ -272,7 +314,7 @@ bool grouped_split_fits(const GroupedArgs& a) {
   return a.K % 8 == 0 && a.N % 8 == 0 && a.R % 8 == 0 && a.R <= kMaxRank && aligned16(a.x) &&
          aligned16(a.a_pool) && aligned16(a.b_pool) && aligned16(a.out) && aligned16(a.xa) &&
          a.te < INT_MAX && a.route.num_loras * a.route.n_experts < INT_MAX &&
-         (a.N + kExpCols - 1) / kExpCols <= 65535;
+         (a.N + kExpCols - 1) / kExpCols < INT_MAX;
 }
 
 }  // namespace fast
