@@ -122,6 +122,62 @@ __device__ __forceinline__ bool cta_offsets_well_formed(const int32_t* offsets, 
   return !__syncthreads_or(bad);
 }
 
+// Rows per tile of the prefill kernels' ranking (rank_tile_rows).
+constexpr int kTileRows = 64;
+
+// Rank a tile's kTileRows rows by (key, row) (key INT_MAX: the row does not
+// fold) into slots, and split the folding slots into segments of one key.
+// Shared arrays: s_key [64] (input), s_part [4 * 64] (scratch), s_slot [64]
+// (slot of each row), s_row [64] (row of each slot), s_seg [65] (first slot
+// of each segment, then n_fold), s_misc [6]: [0] n_fold (slots [0, n_fold)
+// fold), [1] the number of segments. Called by all 256 threads of the CTA
+// after s_key is written and visible; ends with a barrier.
+__device__ __forceinline__ void rank_tile_rows(const int* s_key, int* s_part, int* s_slot,
+                                               int* s_row, int* s_seg, int* s_misc) {
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  {
+    const int q = tid % kTileRows, part = tid / kTileRows;  // 4 threads a row, 16 rows each
+    const int key = s_key[q];
+    int rank = 0;
+#pragma unroll
+    for (int j = 0; j < kTileRows / 4; ++j) {
+      const int o = part * (kTileRows / 4) + j, k = s_key[o];
+      rank += (k < key || (k == key && o < q)) ? 1 : 0;
+    }
+    s_part[part * kTileRows + q] = rank;
+  }
+  __syncthreads();
+  if (tid < kTileRows) {
+    const int rank = s_part[tid] + s_part[kTileRows + tid] + s_part[2 * kTileRows + tid] +
+                     s_part[3 * kTileRows + tid];
+    s_slot[tid] = rank;
+    s_row[rank] = tid;
+  }
+  __syncthreads();
+  if (w < 2) {  // segment starts among the folding slots, in slot order
+    const int s = tid;
+    const int key = s_key[s_row[s]];
+    const bool start = key != INT_MAX && (s == 0 || s_key[s_row[s - 1]] != key);
+    const unsigned m = __ballot_sync(0xffffffffu, start);
+    const unsigned live = __ballot_sync(0xffffffffu, key != INT_MAX);
+    if (lane == 0) {
+      s_misc[2 + w] = __popc(m);
+      s_misc[4 + w] = __popc(live);
+    }
+    asm volatile("bar.sync 1, 64;" ::: "memory");
+    const int before = w == 0 ? 0 : s_misc[2];
+    if (start) s_seg[before + __popc(m & ((1u << lane) - 1u))] = s;
+    if (tid == 0) {
+      const int n_fold = s_misc[4] + s_misc[5];
+      const int n_seg = s_misc[2] + s_misc[3];
+      s_misc[0] = n_fold;
+      s_misc[1] = n_seg;
+      s_seg[n_seg] = n_fold;
+    }
+  }
+  __syncthreads();
+}
+
 // Launch parameters of the grouped shrink kernel.
 struct GroupedParams {
   GroupedArgs a;

@@ -25,7 +25,7 @@ namespace {
 
 constexpr int kExpThreads = 256;
 constexpr int kExpWarps = kExpThreads / 32;
-constexpr int kExpRows = 64;                          // rows per tile
+constexpr int kExpRows = kTileRows;                   // rows per tile
 constexpr int kExpCols = 128;                         // output columns per chunk
 constexpr int kExpStages = 3;                         // chunks in flight per CTA
 constexpr int kExpOStride = kExpCols + 8;             // chunk row stride in shared memory
@@ -147,47 +147,7 @@ __global__ void __launch_bounds__(kExpThreads, kExpResident)
     s_scale[tid] = scale;
   }
   __syncthreads();
-  {
-    const int q = tid % kExpRows, part = tid / kExpRows;  // 4 parts of 16 rows
-    const int key = s_key[q];
-    int rank = 0;
-#pragma unroll
-    for (int j = 0; j < kExpRows / 4; ++j) {
-      const int o = part * (kExpRows / 4) + j, k = s_key[o];
-      rank += (k < key || (k == key && o < q)) ? 1 : 0;
-    }
-    s_part[part * kExpRows + q] = rank;
-  }
-  __syncthreads();
-  if (tid < kExpRows) {
-    const int rank = s_part[tid] + s_part[kExpRows + tid] + s_part[2 * kExpRows + tid] +
-                     s_part[3 * kExpRows + tid];
-    s_slot[tid] = rank;
-    s_row[rank] = tid;
-  }
-  __syncthreads();
-  if (w < 2) {  // segment starts among the folding slots, in slot order
-    const int s = tid;
-    const int key = s_key[s_row[s]];
-    const bool start = key != INT_MAX && (s == 0 || s_key[s_row[s - 1]] != key);
-    const unsigned m = __ballot_sync(0xffffffffu, start);
-    const unsigned live = __ballot_sync(0xffffffffu, key != INT_MAX);
-    if (lane == 0) {
-      s_misc[2 + w] = __popc(m);
-      s_misc[4 + w] = __popc(live);
-    }
-    asm volatile("bar.sync 1, 64;" ::: "memory");
-    const int before = w == 0 ? 0 : s_misc[2];
-    if (start) s_seg[before + __popc(m & ((1u << lane) - 1u))] = s;
-    if (tid == 0) {
-      const int n_fold = s_misc[4] + s_misc[5];  // folding rows: slots [0, n_fold)
-      const int n_seg = s_misc[2] + s_misc[3];
-      s_misc[0] = n_fold;
-      s_misc[1] = n_seg;
-      s_seg[n_seg] = n_fold;
-    }
-  }
-  __syncthreads();
+  rank_tile_rows(s_key, s_part, s_slot, s_row, s_seg, s_misc);
   const int n_fold = s_misc[0], n_seg = s_misc[1];
   if (n_fold == 0) {  // uniform: nothing of this tile folds
     cp_async_wait<0>();
