@@ -10,10 +10,11 @@
 //     kShrUnits consecutive units (their A rows) and the x rows of their
 //     segments, and streams K through a kShrStages-stage cp.async pipeline in
 //     chunks of kShrKc. A pass has up to 32 "pairs" (unit, group of 8 slots
-//     that meets the unit's segment); warp w multiplies pairs w, w + 8, ...
-//     over the whole of K (mma m16n8k16: ranks in M, rows in N, fp32, k in
-//     order), so a tile's x rows stream once whatever its adapters (R <= 16:
-//     one pass for up to 4 adapters);
+//     that meets the unit's segment); each warp multiplies a run of
+//     consecutive pairs (one A fragment load per unit) over the whole of K
+//     (mma m16n8k16: ranks in M, rows in N, fp32, k in order), so a tile's x
+//     rows stream once whatever its adapters (R <= 16: one pass for up to 4
+//     adapters);
 //  3. the sums are rounded into xa in shared memory, then the folding rows
 //     are stored in 16-byte vectors.
 
@@ -30,9 +31,13 @@ constexpr int kShrStages = 3;
 constexpr int kShrUnits = 4;                   // 16-rank units (A rows / 16) per pass
 constexpr int kShrPairsPerWarp = 4;
 constexpr int kShrMaxPairs = kShrWarps * kShrPairsPerWarp;
-constexpr int kShrRowBytes = kShrKc * 2 + 16;  // stage row stride (bytes)
-constexpr int kShrStageRows = kShrUnits * 16 + kTileRows;  // A rows, then x rows
-constexpr int kShrStageBytes = kShrStageRows * kShrRowBytes;
+// Stage row strides (bytes): lanes 0-7 of an mma operand load read A rows 2
+// apart (160 B * 2 = 64 B mod 128) or x rows 1 apart (192 B = 64 B mod 128):
+// no bank conflicts.
+constexpr int kShrAStride = kShrKc * 2 + 32;
+constexpr int kShrXStride = kShrKc * 2 + 64;
+constexpr int kShrXOffset = kShrUnits * 16 * kShrAStride;  // A rows, then x rows
+constexpr int kShrStageBytes = kShrXOffset + kTileRows * kShrXStride;
 constexpr int kShrResident = 3;
 
 // Shared memory: the stages, xa [kTileRows][xs] (activation dtype), then the
@@ -48,7 +53,8 @@ struct ShrinkLayout {
 };
 
 // The units [u0, u1) of the pass that starts at unit u0 (units are (segment,
-// 16-rank slab) in segment-major order), and its pair count.
+// 16-rank slab) in segment-major order), and its pair count. Pairs are
+// numbered unit by unit.
 __device__ __forceinline__ void plan_pass(const int* s_seg, int n_seg, int slabs, int u0, int* u1,
                                           int* npairs) {
   int u = u0, pairs = 0;
@@ -172,32 +178,33 @@ __global__ void __launch_bounds__(kShrThreads, kShrResident)
             const int64_t k = kb + 8 * seg;
             const uint16_t* src = x;
             bool valid = k < K;
-            int srow;
+            char* dst;
             if (ri < na) {  // A row of unit u0 + ri / 16
               const int u = u0 + ri / 16, j = (u % slabs) * 16 + ri % 16;
               valid = valid && j < R;
               if (valid) src = a_pool + (int64_t(s_aslot[s_row[s_seg[u / slabs]]]) * R + j) * K + k;
-              srow = ri;
+              dst = stg + ri * kShrAStride;
             } else {  // x row of slot slo + (ri - na)
               const int s = slo + ri - na;
               valid = valid && s < n_fold;
               if (valid) src = x + int64_t(s_xrow[s_row[s]]) * K + k;
-              srow = kShrUnits * 16 + ri - na;
+              dst = stg + kShrXOffset + (ri - na) * kShrXStride;
             }
-            cp_async16(stg + srow * kShrRowBytes + 16 * seg, src, valid);
+            cp_async16(dst + 16 * seg, src, valid);
           }
         }
         cp_async_commit();
       };
-      // this warp's pairs: A row offset (unit) and x row offset (group) in a stage
+      // this warp's pairs [p0, p0 + np): A row (unit) and x row (group) in a stage
+      const int ppw = (npairs + kShrWarps - 1) / kShrWarps;
+      const int p0 = w * ppw, np = max(0, min(ppw, npairs - p0));
       int pa[kShrPairsPerWarp], px[kShrPairsPerWarp];
 #pragma unroll
       for (int k = 0; k < kShrPairsPerWarp; ++k) {
         int unit = u0, group = slo / 8;
-        if (w + kShrWarps * k < npairs)
-          pass_pair(s_seg, slabs, u0, u1, w + kShrWarps * k, &unit, &group);
+        if (k < np) pass_pair(s_seg, slabs, u0, u1, p0 + k, &unit, &group);
         pa[k] = (unit - u0) * 16;
-        px[k] = kShrUnits * 16 + group * 8 - slo;
+        px[k] = group * 8 - slo;
       }
       float acc[kShrPairsPerWarp][4];
 #pragma unroll
@@ -214,16 +221,18 @@ __global__ void __launch_bounds__(kShrThreads, kShrResident)
 #pragma unroll
         for (int kb = 0; kb < kShrKc; kb += 32) {
           const int ko = (kb + 8 * t) * 2;
+          uint4 a0 = make_uint4(0u, 0u, 0u, 0u), a1 = a0;
 #pragma unroll
           for (int k = 0; k < kShrPairsPerWarp; ++k) {
-            if (w + kShrWarps * k >= npairs) continue;
+            if (k >= np) continue;
             // mma row g holds rank 2g, row g + 8 rank 2g + 1; lane t's 8 k
             // values are kb + 8t .. kb + 8t + 7, the same for A and x
-            const uint4 a0 =
-                *reinterpret_cast<const uint4*>(stg + (pa[k] + 2 * g) * kShrRowBytes + ko);
-            const uint4 a1 =
-                *reinterpret_cast<const uint4*>(stg + (pa[k] + 2 * g + 1) * kShrRowBytes + ko);
-            const uint4 xf = *reinterpret_cast<const uint4*>(stg + (px[k] + g) * kShrRowBytes + ko);
+            if (k == 0 || pa[k] != pa[k - 1]) {
+              a0 = *reinterpret_cast<const uint4*>(stg + (pa[k] + 2 * g) * kShrAStride + ko);
+              a1 = *reinterpret_cast<const uint4*>(stg + (pa[k] + 2 * g + 1) * kShrAStride + ko);
+            }
+            const uint4 xf = *reinterpret_cast<const uint4*>(stg + kShrXOffset +
+                                                             (px[k] + g) * kShrXStride + ko);
             Mma<D>::run(acc[k], a0.x, a1.x, a0.y, a1.y, xf.x, xf.y);
             Mma<D>::run(acc[k], a0.z, a1.z, a0.w, a1.w, xf.z, xf.w);
           }
@@ -233,9 +242,9 @@ __global__ void __launch_bounds__(kShrThreads, kShrResident)
       // C fragment: c0 (rank 2g, slot 2t), c1 (2g, 2t + 1), c2 (2g + 1, 2t), c3 (2g + 1, 2t + 1)
 #pragma unroll
       for (int k = 0; k < kShrPairsPerWarp; ++k) {
-        if (w + kShrWarps * k >= npairs) continue;
+        if (k >= np) continue;
         int unit, group;
-        pass_pair(s_seg, slabs, u0, u1, w + kShrWarps * k, &unit, &group);
+        pass_pair(s_seg, slabs, u0, u1, p0 + k, &unit, &group);
         const int sg = unit / slabs, j0 = (unit % slabs) * 16;
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
