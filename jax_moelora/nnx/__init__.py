@@ -3,7 +3,8 @@
 - ``families``: one frozen config per family (:class:`Qwen3MoE`,
   :class:`Mixtral`, :class:`GptOss`, :class:`DeepSeekV2`, :class:`DeepSeekV3`).
 - ``lora``: per-layer LoRA state (:class:`ExpertLoRA` pools and tables per
-  projection, :class:`MoELoRA` per layer).
+  projection, gate and up stacked in one :class:`StackedExpertLoRA`,
+  :class:`MoELoRA` per layer).
 - ``routers``: :class:`Router` (logits) and each family's choice of experts.
 - ``experts``: the expert MLPs (:class:`GluExperts`, :class:`GptOssExperts`,
   :class:`SharedExperts`).
@@ -42,8 +43,10 @@ from jax_moelora.nnx.lora import (
     SHARED_PROJECTIONS,
     AdapterTable,
     ExpertLoRA,
+    ExpertLoRAView,
     MoELoRA,
     MoELoRARoutes,
+    StackedExpertLoRA,
 )
 from jax_moelora.nnx.pool import AdapterPool
 from jax_moelora.nnx.routers import Router, ScoreCorrectionBias, select_experts
@@ -55,6 +58,7 @@ __all__ = [
     "DeepSeekV2",
     "DeepSeekV3",
     "ExpertLoRA",
+    "ExpertLoRAView",
     "ExpertRows",
     "FAMILIES",
     "GluExperts",
@@ -70,6 +74,7 @@ __all__ = [
     "SHARED_PROJECTIONS",
     "ScoreCorrectionBias",
     "SharedExperts",
+    "StackedExpertLoRA",
     "family_config",
     "load_transformers_weights",
     "select_experts",

@@ -6,8 +6,12 @@ and the shared MLP run their projections plus the LoRA delta ``scale *
 (x @ A^T) @ B^T`` of the token's adapter. The deltas are folded by the
 library's folds, in the row order ``plan_rows`` chooses for the batch (flat
 rows and the gather fold for decode, rows sorted by expert and the grouped
-fold for prefill), computed once per call and shared by the three expert
-folds.
+fold for prefill), computed once per call and shared by the expert folds.
+
+Folds per call with LoRA: the router's (one gather fold), gate and up
+together (one fold of their ``StackedRoute``, ``MoELoRA.gate_up``: they read
+the same rows, so one launch folds both), down (one fold); with shared
+experts, shared gate and up together and shared down (one gather fold each).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from jax_moelora.ops.folds import (
     moe_lora_gather_bgmv,
     plan_rows,
 )
+from jax_moelora.ops.stacked import StackedRoute
+from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["MoEBlock"]
 
@@ -43,8 +49,10 @@ Array = jax.Array
 ExpertPathOption = Literal["auto", "dense", "ragged"]
 
 
-def _fold_dense(x: Array, base: Array, route, adapter_ids: Array, impl: str) -> Array:
-    """A one-entry route (router, shared experts) folded over tokens ``[T, .]``."""
+def _fold_dense(x: Array, base: Array, route: MoeExpertRoute | StackedRoute,
+                adapter_ids: Array, impl: str) -> Array:
+    """A one-entry route (router, shared experts) folded over tokens ``[T, .]``
+    (``base [S, T, .]`` for a ``StackedRoute``)."""
     zeros = jnp.zeros((x.shape[0],), jnp.int32)
     return moe_lora_gather_bgmv(x, base, zeros, route, adapter_ids, top_k=1, x_gather=0,
                                 impl=impl)
@@ -180,9 +188,10 @@ class MoEBlock(nnx.Module):
         plan = plan_rows(topk_ids, self.num_experts, gather_max_rows=self.gather_max_rows)
         rows = ExpertRows.make(plan, self._path(plan.grouped), self.num_experts)
         g, u = self.experts.first(x, rows)
-        if routes is not None:
-            g = fold_planned(x, g, plan, routes.gate, adapter_ids, x_gather=1, impl=impl)
-            u = fold_planned(x, u, plan, routes.up, adapter_ids, x_gather=1, impl=impl)
+        if routes is not None:  # gate and up: one fold of their stacked route
+            gu = fold_planned(x, jnp.stack([g, u]), plan, routes.gate_up, adapter_ids,
+                              x_gather=1, impl=impl)
+            g, u = gu[0], gu[1]
         h = self.experts.activation(g, u)
         d = self.experts.down(h, rows)
         if routes is not None:
@@ -195,9 +204,9 @@ class MoEBlock(nnx.Module):
         """The shared experts' output ``[T, H]`` (``dtype``) with their LoRA deltas."""
         mlp = self.shared_experts
         g, u = mlp.first(x)
-        if routes is not None:
-            g = _fold_dense(x, g, routes.shared_gate, adapter_ids, impl)
-            u = _fold_dense(x, u, routes.shared_up, adapter_ids, impl)
+        if routes is not None:  # shared gate and up: one fold of their stacked route
+            gu = _fold_dense(x, jnp.stack([g, u]), routes.shared_gate_up, adapter_ids, impl)
+            g, u = gu[0], gu[1]
         h = mlp.activation(g, u)
         d = mlp.down(h)
         if routes is not None:

@@ -6,10 +6,16 @@
   slot ``1 + l * E_t + e`` (slot 0 is the reserved "not adapted" slot), so
   loading, replacing or unloading an adapter rewrites one contiguous block of
   the pools and one row of the tables, and shapes never change.
-- :class:`MoELoRA`: the :class:`ExpertLoRA` of one MoE layer: router, gate,
-  up and down, plus ``shared_gate``, ``shared_up`` and ``shared_down`` when
-  the layer has shared experts; :meth:`MoELoRA.routes` gives their
-  ``MoeExpertRoute``.
+- :class:`StackedExpertLoRA`: ``S`` projections of equal shapes (gate and
+  up) in one set of arrays with a leading axis ``S``; :meth:`route` is their
+  ``StackedRoute`` (the stored arrays themselves, no copy), which the folds
+  fold in one launch. Each projection is an :class:`ExpertLoRAView` with the
+  :class:`ExpertLoRA` interface.
+- :class:`MoELoRA`: the LoRA state of one MoE layer: ``router`` and ``down``
+  (:class:`ExpertLoRA`), ``gate_up`` (:class:`StackedExpertLoRA`, viewed as
+  ``gate`` and ``up``), plus ``shared_gate_up`` (``shared_gate``,
+  ``shared_up``) and ``shared_down`` when the layer has shared experts;
+  :meth:`MoELoRA.routes` gives their routes.
 
 The tables are :class:`AdapterTable` variables, outside ``nnx.Param``, so no
 filter on parameters ever selects them.
@@ -27,14 +33,17 @@ from flax import nnx
 
 from jax_moelora.geometry import padded_rank
 from jax_moelora.peft import PROJECTIONS, AdapterFormatError, ProjectionLoRA
+from jax_moelora.ops.stacked import StackedRoute
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = [
     "AdapterTable",
     "ExpertLoRA",
+    "ExpertLoRAView",
     "MoELoRA",
     "MoELoRARoutes",
     "SHARED_PROJECTIONS",
+    "StackedExpertLoRA",
     "default_a_initializer",
 ]
 
@@ -50,9 +59,14 @@ default_a_initializer = nnx.initializers.variance_scaling(
 
 
 @jax.jit
-def _set_rows(array: Array, rows: Array, start: Array) -> Array:
-    """``array`` with ``rows`` written from row ``start`` (one compile per shape)."""
-    return jax.lax.dynamic_update_slice_in_dim(array, rows.astype(array.dtype), start, 0)
+def _set_block(array: Array, block: Array, starts: tuple[Array, ...]) -> Array:
+    """``array`` with ``block`` (same rank) written from index ``starts`` (one
+    compile per shape)."""
+    return jax.lax.dynamic_update_slice(array, block.astype(array.dtype), starts)
+
+
+def _starts(*lead: int, ndim: int) -> tuple[np.int32, ...]:
+    return tuple(np.int32(i) for i in lead) + (np.int32(0),) * (ndim - len(lead))
 
 
 class AdapterTable(nnx.Variable):
@@ -61,52 +75,56 @@ class AdapterTable(nnx.Variable):
 
 
 class MoELoRARoutes(NamedTuple):
-    """The routes of one MoE layer (``MoeExpertRoute`` each); the shared-expert
-    routes are ``None`` for a layer without shared experts."""
+    """The routes of one MoE layer.
 
-    router: MoeExpertRoute
-    gate: MoeExpertRoute
-    up: MoeExpertRoute
-    down: MoeExpertRoute
-    shared_gate: MoeExpertRoute | None = None
-    shared_up: MoeExpertRoute | None = None
-    shared_down: MoeExpertRoute | None = None
-
-
-class ExpertLoRA(nnx.Module):
-    """LoRA pools and tables of one projection for ``max_loras`` adapters.
-
-    Args:
-      n_experts: ``E_t``, the table length (the layer's expert count; 1 for
-        the router).
-      k_in: ``K``, the projection's input width.
-      n_out: ``N``, its output width.
-      max_loras: ``L``, adapter slots.
-      max_rank: the pools' rank ``R``, rounded up to a multiple of 8.
-      dtype: the pools' dtype (the activation dtype of the fold).
-      param_type: the pools' variable type (``nnx.LoRAParam``).
-
-    State: ``a_pool [P, R, K]`` and ``b_pool [P, N, R]`` with
-    ``P = 1 + L * E_t``; ``a_table``/``b_table`` int32 ``[L, E_t]`` and
-    ``scale_table`` float32 ``[L, E_t]`` (:class:`AdapterTable`).
+    Fields: ``router`` and ``down`` (``MoeExpertRoute``), ``gate_up`` (a
+    ``StackedRoute`` of gate then up: the block folds both in one launch);
+    with shared experts ``shared_gate_up`` (``StackedRoute``) and
+    ``shared_down``, else ``None``. The properties ``gate``, ``up``,
+    ``shared_gate`` and ``shared_up`` give the stacked projections one by one
+    (slices of the stacked arrays).
     """
 
-    def __init__(self, n_experts: int, k_in: int, n_out: int, *, max_loras: int,
-                 max_rank: int, dtype: Any = jnp.float32,
-                 param_type: type[nnx.Variable] = nnx.LoRAParam):
-        for name, v in (("n_experts", n_experts), ("k_in", k_in), ("n_out", n_out),
-                        ("max_loras", max_loras), ("max_rank", max_rank)):
-            if not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"ExpertLoRA: {name} must be a positive int, got {v!r}")
-        self.n_experts, self.k_in, self.n_out = int(n_experts), int(k_in), int(n_out)
-        self.max_loras, self.max_rank = int(max_loras), padded_rank(int(max_rank))
-        self.dtype = jnp.dtype(dtype)
-        P, R, L = 1 + self.max_loras * self.n_experts, self.max_rank, self.max_loras
-        self.a_pool = param_type(jnp.zeros((P, R, self.k_in), self.dtype))
-        self.b_pool = param_type(jnp.zeros((P, self.n_out, R), self.dtype))
-        self.a_table = AdapterTable(jnp.zeros((L, self.n_experts), jnp.int32))
-        self.b_table = AdapterTable(jnp.zeros((L, self.n_experts), jnp.int32))
-        self.scale_table = AdapterTable(jnp.zeros((L, self.n_experts), jnp.float32))
+    router: MoeExpertRoute
+    gate_up: StackedRoute
+    down: MoeExpertRoute
+    shared_gate_up: StackedRoute | None = None
+    shared_down: MoeExpertRoute | None = None
+
+    @property
+    def gate(self) -> MoeExpertRoute:
+        return self.gate_up.route(0)
+
+    @property
+    def up(self) -> MoeExpertRoute:
+        return self.gate_up.route(1)
+
+    @property
+    def shared_gate(self) -> MoeExpertRoute | None:
+        return None if self.shared_gate_up is None else self.shared_gate_up.route(0)
+
+    @property
+    def shared_up(self) -> MoeExpertRoute | None:
+        return None if self.shared_gate_up is None else self.shared_gate_up.route(1)
+
+
+def _check_sizes(who: str, **sizes: Any) -> None:
+    for name, v in sizes.items():
+        if not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{who}: {name} must be a positive int, got {v!r}")
+
+
+class _SlotWriter:
+    """The adapter-slot logic of one projection, shared by :class:`ExpertLoRA`
+    and :class:`ExpertLoRAView`: the fixed pool layout, slot writes and the
+    checks of a loaded adapter.
+
+    Subclasses set ``n_experts``, ``k_in``, ``n_out``, ``max_loras``,
+    ``max_rank`` and ``dtype``, give ``a_pool``, ``b_pool``, ``a_table``,
+    ``b_table`` and ``scale_table`` (read with ``[...]``), and implement
+    ``_write(name, block, start)``: ``block`` written into array ``name`` from
+    row ``start`` (host-side).
+    """
 
     @property
     def pool_size(self) -> int:
@@ -121,6 +139,9 @@ class ExpertLoRA(nnx.Module):
         return MoeExpertRoute(a_pool=self.a_pool[...], b_pool=self.b_pool[...],
                               a_table=self.a_table[...], b_table=self.b_table[...],
                               scale_table=self.scale_table[...])
+
+    def _write(self, name: str, block: np.ndarray, start: int) -> None:
+        raise NotImplementedError
 
     def _check_slot(self, slot: int) -> int:
         if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.max_loras:
@@ -150,16 +171,16 @@ class ExpertLoRA(nnx.Module):
         b_blk = np.zeros((E, self.n_out, R), self.dtype)
         b_blk[:e, :, :r] = np.asarray(b, np.float32)
         start = self.pool_slot(slot, 0)
-        self.a_pool[...] = _set_rows(self.a_pool[...], a_blk, np.int32(start))
-        self.b_pool[...] = _set_rows(self.b_pool[...], b_blk, np.int32(start))
+        self._write("a_pool", a_blk, start)
+        self._write("b_pool", b_blk, start)
         present = np.zeros(E, bool) if present is None else np.asarray(present, bool)
         cells = np.zeros(E, np.int32)
         cells[:e] = np.where(present[:e], start + np.arange(e), 0)
         scales = np.zeros(E, np.float32)
         scales[:e] = np.where(present[:e], np.asarray(scale, np.float32), 0.0)
-        self.a_table[...] = _set_rows(self.a_table[...], cells[None], np.int32(slot))
-        self.b_table[...] = _set_rows(self.b_table[...], cells[None], np.int32(slot))
-        self.scale_table[...] = _set_rows(self.scale_table[...], scales[None], np.int32(slot))
+        self._write("a_table", cells[None], slot)
+        self._write("b_table", cells[None], slot)
+        self._write("scale_table", scales[None], slot)
 
     def clear_slot(self, slot: int) -> None:
         """Zero adapter slot ``slot``: its table cells and its pool block."""
@@ -198,6 +219,166 @@ class ExpertLoRA(nnx.Module):
         self.write_slot(slot, lora.a[:e, :r], lora.b[:e, :, :r], lora.scale[:e], lora.present[:e])
 
 
+class ExpertLoRA(_SlotWriter, nnx.Module):
+    """LoRA pools and tables of one projection for ``max_loras`` adapters.
+
+    Args:
+      n_experts: ``E_t``, the table length (the layer's expert count; 1 for
+        the router).
+      k_in: ``K``, the projection's input width.
+      n_out: ``N``, its output width.
+      max_loras: ``L``, adapter slots.
+      max_rank: the pools' rank ``R``, rounded up to a multiple of 8.
+      dtype: the pools' dtype (the activation dtype of the fold).
+      param_type: the pools' variable type (``nnx.LoRAParam``).
+
+    State: ``a_pool [P, R, K]`` and ``b_pool [P, N, R]`` with
+    ``P = 1 + L * E_t``; ``a_table``/``b_table`` int32 ``[L, E_t]`` and
+    ``scale_table`` float32 ``[L, E_t]`` (:class:`AdapterTable`).
+    """
+
+    def __init__(self, n_experts: int, k_in: int, n_out: int, *, max_loras: int,
+                 max_rank: int, dtype: Any = jnp.float32,
+                 param_type: type[nnx.Variable] = nnx.LoRAParam):
+        _check_sizes("ExpertLoRA", n_experts=n_experts, k_in=k_in, n_out=n_out,
+                     max_loras=max_loras, max_rank=max_rank)
+        self.n_experts, self.k_in, self.n_out = int(n_experts), int(k_in), int(n_out)
+        self.max_loras, self.max_rank = int(max_loras), padded_rank(int(max_rank))
+        self.dtype = jnp.dtype(dtype)
+        P, R, L = 1 + self.max_loras * self.n_experts, self.max_rank, self.max_loras
+        self.a_pool = param_type(jnp.zeros((P, R, self.k_in), self.dtype))
+        self.b_pool = param_type(jnp.zeros((P, self.n_out, R), self.dtype))
+        self.a_table = AdapterTable(jnp.zeros((L, self.n_experts), jnp.int32))
+        self.b_table = AdapterTable(jnp.zeros((L, self.n_experts), jnp.int32))
+        self.scale_table = AdapterTable(jnp.zeros((L, self.n_experts), jnp.float32))
+
+    def _write(self, name: str, block: np.ndarray, start: int) -> None:
+        var = getattr(self, name)
+        var[...] = _set_block(var[...], block, _starts(start, ndim=block.ndim))
+
+
+class StackedExpertLoRA(nnx.Module):
+    """LoRA pools and tables of ``S`` projections of equal shapes (a layer's
+    gate and up), stacked on a leading axis.
+
+    Args:
+      names: the projections' names, in stacking order (``("gate", "up")``).
+      n_experts, k_in, n_out, max_loras, max_rank, dtype, param_type: as
+        :class:`ExpertLoRA`, common to the ``S`` projections.
+
+    State: ``a_pool [S, P, R, K]``, ``b_pool [S, P, N, R]`` (``param_type``),
+    ``a_table``/``b_table`` int32 ``[S, L, E_t]`` and ``scale_table``
+    float32 ``[S, L, E_t]`` (:class:`AdapterTable`); member ``s`` has the
+    pool layout of an :class:`ExpertLoRA` in its slices ``[s]``.
+    :meth:`route` hands the stored arrays to the folds as one ``StackedRoute``
+    (no copy); :meth:`view` gives one projection with the interface of an
+    :class:`ExpertLoRA` (its writes land in the stacked arrays).
+    """
+
+    def __init__(self, names: Sequence[str], n_experts: int, k_in: int, n_out: int, *,
+                 max_loras: int, max_rank: int, dtype: Any = jnp.float32,
+                 param_type: type[nnx.Variable] = nnx.LoRAParam):
+        names = tuple(names)
+        if not names or len(set(names)) != len(names) or not all(
+                isinstance(n, str) for n in names):
+            raise ValueError(f"StackedExpertLoRA: names must be distinct strings, got {names!r}")
+        _check_sizes("StackedExpertLoRA", n_experts=n_experts, k_in=k_in, n_out=n_out,
+                     max_loras=max_loras, max_rank=max_rank)
+        self.names = names
+        self.n_experts, self.k_in, self.n_out = int(n_experts), int(k_in), int(n_out)
+        self.max_loras, self.max_rank = int(max_loras), padded_rank(int(max_rank))
+        self.dtype = jnp.dtype(dtype)
+        S, P = len(names), 1 + self.max_loras * self.n_experts
+        R, L, E = self.max_rank, self.max_loras, self.n_experts
+        self.a_pool = param_type(jnp.zeros((S, P, R, self.k_in), self.dtype))
+        self.b_pool = param_type(jnp.zeros((S, P, self.n_out, R), self.dtype))
+        self.a_table = AdapterTable(jnp.zeros((S, L, E), jnp.int32))
+        self.b_table = AdapterTable(jnp.zeros((S, L, E), jnp.int32))
+        self.scale_table = AdapterTable(jnp.zeros((S, L, E), jnp.float32))
+
+    @property
+    def num_projections(self) -> int:
+        return len(self.names)
+
+    def route(self) -> StackedRoute:
+        """The ``S`` projections' ``StackedRoute``: the stored arrays, as they
+        are (traceable; no stacking, no copy)."""
+        return StackedRoute.tree_unflatten(None, [
+            getattr(self, n)[...] for n in StackedRoute.__slots__])
+
+    def view(self, projection: str | int) -> "ExpertLoRAView":
+        """Projection ``projection`` (a name or an index into ``names``)."""
+        if isinstance(projection, str):
+            if projection not in self.names:
+                raise KeyError(f"no projection {projection!r} in {self.names}")
+            projection = self.names.index(projection)
+        if not isinstance(projection, (int, np.integer)) or not (
+                0 <= projection < len(self.names)):
+            raise IndexError(f"projection index must be in [0, {len(self.names)}), got "
+                             f"{projection!r}")
+        return ExpertLoRAView(self, int(projection))
+
+
+class StackedSlice:
+    """Member ``index`` of a stacked variable: ``[idx]`` reads ``variable[index][idx]``,
+    ``[idx] = v`` writes it (the stacked variable gets the new array)."""
+
+    __slots__ = ("variable", "index")
+
+    def __init__(self, variable: nnx.Variable, index: int):
+        self.variable, self.index = variable, int(index)
+
+    def __getitem__(self, idx: Any) -> Array:
+        return self.variable[...][self.index][idx]
+
+    def __setitem__(self, idx: Any, value: Any) -> None:
+        full = self.variable[...]
+        self.variable[...] = full.at[self.index].set(full[self.index].at[idx].set(value))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.variable.shape[1:])
+
+    @property
+    def dtype(self) -> Any:
+        return self.variable.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        return (f"StackedSlice({type(self.variable).__name__}[{self.index}], "
+                f"{self.dtype}{list(self.shape)})")
+
+
+class ExpertLoRAView(_SlotWriter):
+    """One projection of a :class:`StackedExpertLoRA`, with the interface of
+    an :class:`ExpertLoRA` (``write_slot``, ``clear_slot``, ``set_lora``,
+    ``check``, ``route``, ``pool_slot``, the shape attributes).
+
+    ``a_pool``, ``b_pool``, ``a_table``, ``b_table`` and ``scale_table`` are
+    :class:`StackedSlice`\\ s: ``[...]`` reads or writes this projection's
+    slice of the stacked variable (``stack``, member ``index``).
+    """
+
+    def __init__(self, stack: StackedExpertLoRA, index: int):
+        self.stack, self.index, self.name = stack, int(index), stack.names[index]
+        self.n_experts, self.k_in, self.n_out = stack.n_experts, stack.k_in, stack.n_out
+        self.max_loras, self.max_rank, self.dtype = stack.max_loras, stack.max_rank, stack.dtype
+        for n in StackedRoute.__slots__:
+            setattr(self, n, StackedSlice(getattr(stack, n), self.index))
+
+    def _write(self, name: str, block: np.ndarray, start: int) -> None:
+        var = getattr(self.stack, name)
+        var[...] = _set_block(var[...], block[None], _starts(self.index, start,
+                                                             ndim=block.ndim + 1))
+
+    def __repr__(self) -> str:
+        return (f"ExpertLoRAView({self.name!r}: E_t={self.n_experts}, K={self.k_in}, "
+                f"N={self.n_out}, L={self.max_loras}, R={self.max_rank}, {self.dtype})")
+
+
 class MoELoRA(nnx.Module):
     """Per-layer LoRA state of an MoE layer.
 
@@ -216,11 +397,18 @@ class MoELoRA(nnx.Module):
         ``A [E_t, r, K]`` and ``B [E_t, N, r]`` (:meth:`init_adapter`);
         PEFT's by default (``B`` zero, so a fresh adapter is the base model).
 
-    Attributes (all :class:`ExpertLoRA`): ``router`` (``E_t = 1``, ``K = H``,
-    ``N = E``), ``gate`` and ``up`` (``K = H``, ``N = I``), ``down`` (``K =
-    I``, ``N = H``); with shared experts ``shared_gate``, ``shared_up``
-    (``E_t = 1``, ``K = H``, ``N = I_s``) and ``shared_down`` (``K = I_s``,
-    ``N = H``). ``projections`` lists the names this layer has.
+    State: ``router`` (:class:`ExpertLoRA`, ``E_t = 1``, ``K = H``, ``N =
+    E``), ``gate_up`` (:class:`StackedExpertLoRA` of gate and up, ``K = H``,
+    ``N = I``), ``down`` (:class:`ExpertLoRA`, ``K = I``, ``N = H``); with
+    shared experts ``shared_gate_up`` (stacked shared gate and up, ``E_t =
+    1``, ``K = H``, ``N = I_s``) and ``shared_down`` (``K = I_s``, ``N =
+    H``). Gate and up share one set of arrays so that :meth:`routes` hands
+    them to the block's fold as one ``StackedRoute`` without a copy.
+
+    Projections by name (``projections`` lists this layer's, in PEFT's
+    names): ``router``, ``down``, ``shared_down`` are the modules; ``gate``,
+    ``up``, ``shared_gate``, ``shared_up`` are :class:`ExpertLoRAView`\\ s of
+    the stacked modules (same interface).
     """
 
     def __init__(self, *, hidden_size: int, intermediate_size: int, num_experts: int,
@@ -238,25 +426,52 @@ class MoELoRA(nnx.Module):
         self.max_loras, self.max_rank = int(max_loras), padded_rank(int(max_rank))
         self.a_initializer, self.b_initializer = a_initializer, b_initializer
         self.router = ExpertLoRA(1, H, E, dtype=router_dtype, **kw)
-        self.gate = ExpertLoRA(E, H, I, dtype=dtype, **kw)
-        self.up = ExpertLoRA(E, H, I, dtype=dtype, **kw)
+        self.gate_up = StackedExpertLoRA(("gate", "up"), E, H, I, dtype=dtype, **kw)
         self.down = ExpertLoRA(E, I, H, dtype=dtype, **kw)
         if S:
-            self.shared_gate = ExpertLoRA(1, H, S, dtype=dtype, **kw)
-            self.shared_up = ExpertLoRA(1, H, S, dtype=dtype, **kw)
+            self.shared_gate_up = StackedExpertLoRA(SHARED_PROJECTIONS[:2], 1, H, S,
+                                                    dtype=dtype, **kw)
             self.shared_down = ExpertLoRA(1, S, H, dtype=dtype, **kw)
         self.projections = PROJECTIONS + (SHARED_PROJECTIONS if S else ())
 
-    def projection(self, name: str) -> ExpertLoRA:
-        """The :class:`ExpertLoRA` of projection ``name``."""
+    # gate and up (and the shared ones) as projections of their own
+    @property
+    def gate(self) -> ExpertLoRAView:
+        return self.gate_up.view(0)
+
+    @property
+    def up(self) -> ExpertLoRAView:
+        return self.gate_up.view(1)
+
+    def _shared_gate_up(self) -> StackedExpertLoRA:
+        if not self.shared_intermediate_size:
+            raise AttributeError("this layer has no shared experts")
+        return self.shared_gate_up
+
+    @property
+    def shared_gate(self) -> ExpertLoRAView:
+        return self._shared_gate_up().view(0)
+
+    @property
+    def shared_up(self) -> ExpertLoRAView:
+        return self._shared_gate_up().view(1)
+
+    def projection(self, name: str) -> ExpertLoRA | ExpertLoRAView:
+        """Projection ``name``: an :class:`ExpertLoRA`, or the
+        :class:`ExpertLoRAView` of a stacked one."""
         if name not in self.projections:
             raise AdapterFormatError(
                 f"unknown projection {name!r} for this layer; known: {self.projections}")
         return getattr(self, name)
 
     def routes(self) -> MoELoRARoutes:
-        """The ``MoeExpertRoute`` of every projection (traceable)."""
-        return MoELoRARoutes(**{p: self.projection(p).route() for p in self.projections})
+        """The layer's routes (traceable): gate and up as one ``StackedRoute``
+        of the stored arrays (and the shared gate and up, if any)."""
+        shared = bool(self.shared_intermediate_size)
+        return MoELoRARoutes(
+            router=self.router.route(), gate_up=self.gate_up.route(), down=self.down.route(),
+            shared_gate_up=self.shared_gate_up.route() if shared else None,
+            shared_down=self.shared_down.route() if shared else None)
 
     def check_adapter(self, projections: Mapping[str, ProjectionLoRA], where: str = "") -> None:
         """Raise ``AdapterFormatError`` naming the key if a projection does not fit."""

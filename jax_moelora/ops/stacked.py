@@ -4,7 +4,8 @@ Gate and up read the same ``x`` rows with the same expert ids and adapters;
 only their pools and tables differ. A :class:`StackedRoute` holds ``S`` such
 routes with a leading axis on every array (build it once, with
 :func:`stack_routes`, where the adapter state is built: stacking copies the
-pools). The folds accept it with ``base_out`` stacked the same way
+pools; ``nnx.MoELoRA`` stores gate and up stacked, and its
+``routes().gate_up`` is a ``StackedRoute`` of the stored arrays). The folds accept it with ``base_out`` stacked the same way
 (``[S, rows, n_out]``) and return ``[S, rows, n_out]``; under the hood they
 ``jax.vmap`` the single-route fold over ``S``, which the folds' batching rule
 (``ops/batching.py``) turns into one launch over virtual experts, bit-identical
