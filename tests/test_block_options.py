@@ -316,7 +316,8 @@ def test_expert_gemm_auto_runs_the_cutlass_kernel_on_gpu(family):
     assert not _calls_kernel(ragged, x, ids)
     got, want = _run(prefill, x, ids), _run(ragged, x, ids)
     _close(got, want, rtol=1e-2)
-    _close(got, reference(prefill, x, ids), rtol=4e-2)
+    if family == "qwen3":  # the reference here is the GLU families' math
+        _close(got, reference(prefill, x, ids), rtol=4e-2)
     decode = _block(gather_max_rows=4096, **kw)
     assert not _calls_kernel(decode, x, ids)
 
