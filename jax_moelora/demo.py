@@ -19,7 +19,11 @@ the same step gives with every stream on the base model.
 ``--timing`` measures instead the decode-step time of a stack of
 Qwen3-30B-A3B-shaped MoE layers (``--size full``: E 128, top_k 8, hidden
 2048, inter 768; 4 layers, 4 adapters, T = 64 by default) with and without
-LoRA and prints the overhead in percent.
+LoRA and prints the overhead in percent. ``--timing --prefill`` measures a
+prefill step of the same stack instead (T = 4096 by default: ``T * top_k`` rows
+sorted by expert, the grouped path): the base model and 4 adapters, each with
+the ragged path's grouped GEMM as ``jax.lax.ragged_dot`` and as
+``jax_moelora.expert_matmul`` (``MoEBlock(expert_gemm=...)``).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from jax_moelora.nnx import (
     MoEFamily,
     Qwen3MoE,
 )
+from jax_moelora.nnx.experts import EXPERT_GEMMS, grouped_gemm_runs_kernel
 from jax_moelora.ops.folds import IMPLS, resolve_impl
 from jax_moelora.peft import ProjectionLoRA, load_peft_adapter, save_peft_adapter
 
@@ -106,7 +111,7 @@ class DemoModel(nnx.Module):
     a call runs every layer in one traced program."""
 
     def __init__(self, cfg: ModelConfig, *, impl: str = "auto", expert_path: str = "auto",
-                 rngs: nnx.Rngs):
+                 expert_gemm: str = "auto", rngs: nnx.Rngs):
         dt = _DTYPES[cfg.dtype]
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab, cfg.hidden, dtype=dt, param_dtype=dt, rngs=rngs)
@@ -116,7 +121,7 @@ class DemoModel(nnx.Module):
             MoEBlock(cfg.hidden, cfg.inter, cfg.experts, cfg.top_k,
                      family=DEMO_FAMILIES[cfg.family], max_loras=cfg.max_loras,
                      max_rank=cfg.max_rank, dtype=dt, impl=impl, expert_path=expert_path,
-                     rngs=rngs)
+                     expert_gemm=expert_gemm, rngs=rngs)
             for _ in range(cfg.layers)])
         self.final_norm = nnx.RMSNorm(cfg.hidden, dtype=dt, param_dtype=dt, rngs=rngs)
 
@@ -154,16 +159,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=4, help="MoE layers (default 4)")
     parser.add_argument("--tokens", type=int, default=None,
                         help="tokens per decode step: streams in the demo (default 8), "
-                             "T in --timing (default 64)")
+                             "T in --timing (default 64; 4096 with --prefill)")
     parser.add_argument("--prompt-len", type=int, default=80,
                         help="prompt tokens per stream (default 80: the prefill takes the "
                              "sorted, grouped path)")
-    parser.add_argument("--steps", type=int, default=16, help="decode steps (default 16)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="decode steps (default 16); steps per timed run in --timing "
+                             "(default 16; 2 with --prefill)")
     parser.add_argument("--impl", choices=IMPLS, default="auto", help="fold backend")
     parser.add_argument("--dtype", choices=["auto", *_DTYPES], default="auto",
                         help="activation dtype (auto: float32 on CPU, bfloat16 on GPU)")
     parser.add_argument("--expert-path", choices=["auto", "dense", "ragged"], default="auto",
                         help="base expert matmuls (see MoEBlock)")
+    parser.add_argument("--expert-gemm", choices=EXPERT_GEMMS, default="auto",
+                        help="grouped GEMM of the ragged path (see MoEBlock; --prefill times "
+                             "ragged_dot and expert_matmul)")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank in --timing (16)")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
@@ -171,8 +181,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "print the GPU kernel time per step by kernel name")
     parser.add_argument("--timing", action="store_true",
                         help="decode-step time with and without LoRA (GPU measurement)")
-    parser.add_argument("--repeats", type=int, default=20,
-                        help="timed runs per variant in --timing (median)")
+    parser.add_argument("--prefill", action="store_true",
+                        help="with --timing: a prefill step (T = 4096 by default), base and "
+                             "4 adapters, ragged_dot and expert_matmul as the grouped GEMM")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed runs per variant in --timing (median; default 20, 5 "
+                             "with --prefill)")
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON")
 
 
@@ -207,6 +221,12 @@ def _cuda_kernels() -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo (or ``--timing``); 0 when every check passes."""
+    if args.prefill and not args.timing:
+        raise SystemExit("--prefill is a --timing mode: pass --timing --prefill")
+    if args.steps is None:
+        args.steps = 2 if args.prefill else 16
+    if args.repeats is None:
+        args.repeats = 5 if args.prefill else 20
     for name in ("layers", "steps", "prompt_len", "repeats", "rank"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
@@ -218,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--impl {args.impl}: {err}") from err
     console = _console()
     if args.timing:
+        if args.prefill:
+            return _run_prefill_timing(args, impl, console)
         return _run_timing(args, impl, console)
     return _run_demo(args, impl, console)
 
@@ -410,7 +432,7 @@ def _run_demo(args, impl: str, console) -> int:
     with progress, tempfile.TemporaryDirectory(prefix="jax_moelora_demo_") as tmp:
         task = progress.add_task("build model", total=1)
         model = DemoModel(cfg, impl=impl, expert_path=args.expert_path,
-                          rngs=nnx.Rngs(args.seed))
+                          expert_gemm=args.expert_gemm, rngs=nnx.Rngs(args.seed))
         progress.advance(task)
 
         task = progress.add_task("write + load PEFT adapters", total=len(_ADAPTERS))
@@ -484,7 +506,7 @@ def _run_demo(args, impl: str, console) -> int:
     table.add_row("backend", f"{jax.default_backend()} ({_device()}), "
                              f"cuda kernels: {_cuda_kernels()}")
     table.add_row("impl used", f"{impl} (requested {args.impl}); expert path "
-                               f"{args.expert_path}")
+                               f"{args.expert_path}, grouped GEMM {args.expert_gemm}")
     table.add_row("family", f"{cfg.family}: {DEMO_FAMILIES[cfg.family]}")
     table.add_row("model", f"{cfg.layers} layers, E {cfg.experts}, top_k {cfg.top_k}, hidden "
                            f"{cfg.hidden}, inter {cfg.inter}, vocab {cfg.vocab}, {dtype}")
@@ -540,7 +562,7 @@ def _install_random_adapters(model: DemoModel, rank: int, seed: int) -> None:
 
 
 def _timed_loop(graphdef, impl: str, use_lora: bool, steps: int) -> Callable:
-    """``steps`` decode steps of the layer stack in one program (output fed back)."""
+    """``steps`` steps of the layer stack in one program (output fed back)."""
 
     def run_steps(state, h, ids):
         model = nnx.merge(graphdef, state)
@@ -568,7 +590,8 @@ def _run_timing(args, impl: str, console) -> int:
                   f"{cfg.experts}, top_k {cfg.top_k}, hidden {cfg.hidden}, inter {cfg.inter}), "
                   f"T {T}, rank {args.rank}, 4 adapters, {dtype}, impl {impl}, expert path "
                   f"{args.expert_path} on {_device()}")
-    model = DemoModel(cfg, impl=impl, expert_path=args.expert_path, rngs=nnx.Rngs(args.seed))
+    model = DemoModel(cfg, impl=impl, expert_path=args.expert_path,
+                      expert_gemm=args.expert_gemm, rngs=nnx.Rngs(args.seed))
     _install_random_adapters(model, args.rank, args.seed)
     graphdef, state = nnx.split(model)
     h = jax.random.normal(jax.random.key(args.seed + 3), (T, cfg.hidden), jnp.float32)
@@ -579,20 +602,10 @@ def _run_timing(args, impl: str, console) -> int:
         ("LoRA state, all tokens base (-1)", True, jnp.full((T,), -1, jnp.int32)),
         ("LoRA, 4 adapters over T tokens", True, spread),
     ]
-    fns, times = {}, {}
-    for label, use_lora, ids in variants:
-        fns[label] = _timed_loop(graphdef, impl, use_lora, inner)
-        t0 = time.perf_counter()
-        jax.block_until_ready(fns[label](state, h, ids))
-        times[label] = []
-        console.print(f"  compiled {label} ({time.perf_counter() - t0:.1f} s)")
-    for _ in range(args.repeats):  # round robin, so drifts hit every variant alike
-        for label, _, ids in variants:
-            t0 = time.perf_counter()
-            jax.block_until_ready(fns[label](state, h, ids))
-            times[label].append((time.perf_counter() - t0) / inner)
-    results = {label: dict(step_s=statistics.median(t), min_s=min(t))
-               for label, t in times.items()}
+    fns = {label: _timed_loop(graphdef, impl, use_lora, inner)
+           for label, use_lora, _ in variants}
+    results, _ = _time_variants([(label, fns[label], ids) for label, _, ids in variants],
+                                state, h, repeats=args.repeats, inner=inner, console=console)
     base = results[variants[0][0]]["step_s"]
     table = Table(title=f"decode step, {cfg.layers} layers, T = {T} (median of {args.repeats} "
                         f"runs of {inner} steps)", header_style="bold")
@@ -620,8 +633,133 @@ def _run_timing(args, impl: str, console) -> int:
         args.json.write_text(json.dumps(dict(
             mode="timing", backend=jax.default_backend(), device=_device(), impl=impl,
             dtype=dtype, tokens=T, rank=args.rank, config=dataclasses.asdict(cfg),
-            expert_path=args.expert_path, steps_per_run=inner, repeats=args.repeats,
-            results=results, overhead_percent=100.0 * (lora - base) / base), indent=2))
+            expert_path=args.expert_path, expert_gemm=args.expert_gemm, steps_per_run=inner,
+            repeats=args.repeats, results=results,
+            overhead_percent=100.0 * (lora - base) / base), indent=2))
+    return 0
+
+
+def _time_variants(variants, state, h, *, repeats: int, inner: int, console,
+                   catch: bool = False) -> tuple[dict[str, dict], dict[str, str]]:
+    """Compile each ``(label, fn, ids)`` (one run of ``fn(state, h, ids)``),
+    then time ``repeats`` runs of each, round robin (so drifts hit every
+    variant alike). Returns ``({label: {"step_s": median, "min_s": min}},
+    {label: error})``; with ``catch``, a variant whose first run raises a
+    runtime error (out of memory: XLA:GPU's dense ``ragged_dot`` at prefill
+    sizes) is left out with its error instead of stopping the run."""
+    times, errors = {}, {}
+    for label, fn, ids in variants:
+        t0 = time.perf_counter()
+        try:
+            jax.block_until_ready(fn(state, h, ids))
+        except (jax.errors.JaxRuntimeError, MemoryError) as err:
+            if not catch:
+                raise
+            errors[label] = str(err).strip().splitlines()[0][:200]
+            console.print(f"  [yellow]{label}: failed ({errors[label]})[/]")
+            continue
+        times[label] = []
+        console.print(f"  compiled {label} ({time.perf_counter() - t0:.1f} s)")
+    for _ in range(repeats):
+        for label, fn, ids in variants:
+            if label in errors:
+                continue
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(state, h, ids))
+            times[label].append((time.perf_counter() - t0) / inner)
+    return ({label: dict(step_s=statistics.median(t), min_s=min(t))
+             for label, t in times.items()}, errors)
+
+
+#: The grouped GEMMs ``--timing --prefill`` compares (``MoEBlock(expert_gemm=...)``).
+PREFILL_GEMMS = ("ragged_dot", "expert_matmul")
+
+
+def _run_prefill_timing(args, impl: str, console) -> int:
+    """``--timing --prefill``: a prefill step of the layer stack at T tokens
+    (default 4096), base model and 4 adapters, with each of ``PREFILL_GEMMS``
+    as the ragged path's grouped GEMM (one model: the blocks' ``expert_gemm``
+    is set before each split, the weights are shared)."""
+    from rich.table import Table
+
+    size = args.size or "full"
+    dtype = _dtype_name(args)
+    T = args.tokens or 4096
+    cfg = ModelConfig(**SIZES[size], layers=args.layers, dtype=dtype, family=args.family,
+                      max_loras=4, max_rank=args.rank)
+    inner = args.steps
+    rows = T * cfg.top_k
+    model = DemoModel(cfg, impl=impl, expert_path=args.expert_path, rngs=nnx.Rngs(args.seed))
+    block = model.blocks[0]
+    grouped = rows > block.gather_max_rows
+    dt = _DTYPES[dtype]
+    kernel = {"gate/up": grouped_gemm_runs_kernel(dt, cfg.hidden, cfg.inter),
+              "down": grouped_gemm_runs_kernel(dt, cfg.inter, cfg.hidden)}
+    console.print(f"[bold]jax_moelora prefill timing[/bold]: {cfg.layers} x {cfg.family} MoE "
+                  f"layer (E {cfg.experts}, top_k {cfg.top_k}, hidden {cfg.hidden}, inter "
+                  f"{cfg.inter}), T {T} ({rows} rows: "
+                  f"{'grouped' if grouped else 'gather'} path), rank {args.rank}, 4 adapters, "
+                  f"{dtype}, impl {impl}, expert path {args.expert_path} on {_device()}; "
+                  f"expert_matmul runs its CUTLASS kernel: "
+                  + ", ".join(f"{k} {v}" for k, v in kernel.items()))
+    _install_random_adapters(model, args.rank, args.seed)
+    h = jax.random.normal(jax.random.key(args.seed + 3), (T, cfg.hidden), jnp.float32)
+    h = h.astype(dt)
+    spread = jnp.arange(T, dtype=jnp.int32) % cfg.max_loras
+    variants, meta = [], {}
+    for gemm in PREFILL_GEMMS:
+        for b in model.blocks:
+            b.expert_gemm = gemm
+        graphdef, state = nnx.split(model)
+        for use_lora, what in ((False, "base model"), (True, "LoRA, 4 adapters")):
+            label = f"{what}, {gemm}"
+            variants.append((label, _timed_loop(graphdef, impl, use_lora, inner), spread))
+            meta[label] = dict(expert_gemm=gemm, lora=use_lora)
+    results, errors = _time_variants(variants, state, h, repeats=args.repeats, inner=inner,
+                                     console=console, catch=True)
+    for label, r in results.items():
+        r.update(meta[label])
+
+    def step(gemm: str, lora: bool) -> float | None:
+        r = results.get(f"{'LoRA, 4 adapters' if lora else 'base model'}, {gemm}")
+        return None if r is None else r["step_s"]
+
+    table = Table(title=f"prefill step, {cfg.layers} layers, T = {T} (median of "
+                        f"{args.repeats} runs of {inner} steps)", header_style="bold")
+    for col in ("variant", "time / step", "min", "LoRA overhead", "vs ragged_dot"):
+        table.add_column(col)
+    for label, *_ in variants:
+        if label in errors:
+            table.add_row(label, "failed", errors[label], "", "")
+            continue
+        r = results[label]
+        base, ragged = step(r["expert_gemm"], False), step("ragged_dot", r["lora"])
+        over = (f"{100.0 * (r['step_s'] - base) / base:+.1f} %" if r["lora"] and base
+                else "")
+        speed = (f"{ragged / r['step_s']:.2f}x" if ragged and r["expert_gemm"] != "ragged_dot"
+                 else "")
+        table.add_row(label, _ms(r["step_s"]), _ms(r["min_s"]), over, speed)
+    console.print(table)
+    if args.trace:
+        from jax_moelora.step_profile import kernel_times
+
+        for i, (label, fn, ids) in enumerate(variants):
+            if label in errors:
+                continue
+            prof = kernel_times(fn, state, h, ids, calls=inner,
+                                folder=args.trace / f"prefill{i}")
+            results[label]["kernels"] = prof
+            top = ", ".join(f"{name[:60]} {us:.1f}" for name, us in
+                            list(prof["per_call_us"].items())[:12])
+            console.print(f"[bold]{label}[/]: kernels {prof['total_us']:.1f} µs per step, span "
+                          f"{prof['span_us']:.1f} µs; top (µs per step): {top}")
+    if args.json:
+        args.json.write_text(json.dumps(dict(
+            mode="prefill_timing", backend=jax.default_backend(), device=_device(), impl=impl,
+            dtype=dtype, tokens=T, rows=rows, grouped=grouped, rank=args.rank,
+            config=dataclasses.asdict(cfg), expert_path=args.expert_path,
+            expert_matmul_kernel=kernel, steps_per_run=inner, repeats=args.repeats,
+            results=results, errors=errors), indent=2))
     return 0
 
 

@@ -20,6 +20,9 @@
 #        KERNELS=<ncu name regex>  NCU_ARGS="<bench args of the ncu step>"  NCU2_ARGS="<a second one>"
 #        NCU_LAUNCHES=<launches profiled per ncu run, default 2>
 #        CMDBUF_FLAGS="<XLA_FLAGS of the cmdbuf step's second runs>"  GEMM="<bench --gemm args>"
+#        (timing: the decode timing, then `demo --timing --prefill`, T = 4096, base and
+#        4 adapters with ragged_dot and expert_matmul as the grouped GEMM, into
+#        timing_prefill.json/.log; PREFILL="<its extra demo args>", PREFILL_S=<its timeout>)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 R=$OUT/r; mkdir -p "$R"
@@ -73,6 +76,8 @@ if has gemm; then
 fi
 if has timing; then
   step timing; timeout 90 python3 -m jax_moelora demo --timing --repeats 10 --json "$R/timing.json" > "$R/timing.log" 2>&1; step "timing rc=$?"
+  step "timing prefill"; timeout "${PREFILL_S:-150}" python3 -m jax_moelora demo --timing --prefill ${PREFILL:-} \
+    --json "$R/timing_prefill.json" > "$R/timing_prefill.log" 2>&1; step "timing prefill rc=$?"
 fi
 if has suite; then
   step suite; timeout ${SUITE_S:-300} python3 -m pytest -q -p no:cacheprovider -n 8 -rf ${TESTS:-} > "$R/suite.log" 2>&1; step "suite rc=$?"

@@ -5,8 +5,8 @@ logits + router LoRA delta -> softmax -> top-k, renormalised only with
 ``norm_topk_prob`` -> per expert ``down(silu(gate(x)) * up(x))``, each
 projection plus ``scale * (x A^T) B^T`` of the token's adapter), reading only
 the block's weights and tables, never the library's folds. Every option
-(``norm_topk_prob``, ``expert_path``, ``gather_max_rows``, ``impl``,
-``max_loras``, ``lora``, ``use_lora``, ``dtype``, ``router_dtype``) is run
+(``norm_topk_prob``, ``expert_path``, ``expert_gemm``, ``gather_max_rows``,
+``impl``, ``max_loras``, ``lora``, ``use_lora``, ``dtype``, ``router_dtype``) is run
 with LoRA deltas large enough that a wrong choice shows.
 """
 
@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_moelora.nnx import MoEBlock
+from jax_moelora import _ext
+from jax_moelora.nnx import MoEBlock, experts
 
 H, I, E, TOP_K, RANK = 16, 24, 8, 3, 8
 T = 10
@@ -218,3 +219,124 @@ def test_adapter_ids_outside_int32_are_refused():
     ids[4] = 2**32 + 1
     with pytest.raises(OverflowError, match=r"MoEBlock: adapter_ids holds 4294967297 at index 4"):
         block(jnp.asarray(x), ids)
+
+
+# ------------------------------------------------------------------ expert_gemm
+
+GEMMS = ["auto", "ragged_dot", "expert_matmul"]
+
+
+@pytest.mark.parametrize("dtype, rtol", [(jnp.float32, 2e-4), (jnp.bfloat16, 4e-2)],
+                         ids=["f32", "bf16"])
+@pytest.mark.parametrize("gather_max_rows, expert_path",
+                         [(8, "auto"), (4096, "ragged")], ids=["prefill", "decode-ragged"])
+def test_expert_gemm_options_agree(dtype, rtol, gather_max_rows, expert_path):
+    """The grouped GEMM of the ragged path (ragged_dot, expert_matmul, auto):
+    the same block output, each against the reference; on the CPU ``auto`` is
+    ``ragged_dot`` bit for bit."""
+    x, ids = _inputs(9, 3)
+    outs = {}
+    for gemm in GEMMS:
+        block = _block(expert_gemm=gemm, expert_path=expert_path,
+                       gather_max_rows=gather_max_rows, dtype=dtype, max_loras=3)
+        outs[gemm] = _run(block, x, ids)
+        _close(outs[gemm], reference(block, x, ids), rtol=rtol)
+    _close(outs["expert_matmul"], outs["ragged_dot"], rtol=rtol / 4)
+    if not _ext.cuda_available():
+        np.testing.assert_array_equal(outs["auto"], outs["ragged_dot"])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt-oss"])
+def test_expert_gemm_gradients_agree(family):
+    """Training through the ragged path: the gradients w.r.t. the expert
+    weights, the LoRA parameters and the input are those of ``ragged_dot``."""
+    x, ids = _inputs(10, 3)
+
+    def grads(gemm):
+        block = _block(family=family, expert_gemm=gemm, gather_max_rows=8, max_loras=3)
+
+        def loss(block, x):
+            return jnp.sum(jnp.sin(block(x, jnp.asarray(ids))))
+
+        return jax.jit(nnx.grad(loss, argnums=(0, 1)))(block, jnp.asarray(x))
+
+    want = jax.tree.leaves(grads("ragged_dot"))
+    got = jax.tree.leaves(grads("expert_matmul"))
+    assert len(got) == len(want) and len(want) > 5
+    for g, w in zip(got, want):
+        w = np.asarray(w, np.float64)
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=0,
+                                   atol=1e-4 * max(np.abs(w).max(), 1e-6))
+
+
+def test_expert_gemm_auto_picks_the_kernel_per_lowering_platform(monkeypatch):
+    """Where the kernel runs, ``auto`` is a ``platform_dependent``:
+    ``expert_matmul`` when the program is lowered for CUDA, ``ragged_dot``
+    for any other platform (exported here without a GPU, with a stand-in for
+    the expert_matmul branch)."""
+    monkeypatch.setattr(experts, "grouped_gemm_runs_kernel", lambda *a: True)
+    monkeypatch.setattr(experts, "_expert_matmul", lambda xs, ws, sizes: tuple(
+        jnp.full((xs.shape[0], w.shape[2]), 1024.0, xs.dtype) for w in ws))
+    block = _block(gather_max_rows=8, lora=False, dtype=jnp.bfloat16)
+    x = jnp.asarray(_inputs(11, 2)[0])
+    f = jax.jit(lambda x: block(x))
+    cuda = jax.export.export(f, platforms=["cuda"])(x).mlir_module()
+    cpu = jax.export.export(f, platforms=["cpu"])(x).mlir_module()
+    assert "1.024000e+03" in cuda and "ragged_dot" not in cuda
+    assert "1.024000e+03" not in cpu and "ragged_dot" in cpu
+    # run here: the CPU lowering, ragged_dot
+    np.testing.assert_array_equal(_run(block, x, None),
+                                  _run(_block(gather_max_rows=8, lora=False, dtype=jnp.bfloat16,
+                                              expert_gemm="ragged_dot"), x, None))
+
+
+def test_bad_expert_gemm_is_refused():
+    with pytest.raises(ValueError, match="expert_gemm must be one of"):
+        _block(expert_gemm="cutlass")
+
+
+def _calls_kernel(block, x, ids) -> bool:
+    """Whether the block's lowered program calls the expert_matmul custom call."""
+    text = jax.jit(lambda x, i: block(x, i)).lower(jnp.asarray(x), jnp.asarray(ids)).as_text()
+    return f"custom_call @{_ext.EXPERT_MATMUL_TARGET}(" in text
+
+
+@GPU
+@pytest.mark.parametrize("family", ["qwen3", "gpt-oss"])
+def test_expert_gemm_auto_runs_the_cutlass_kernel_on_gpu(family):
+    """bf16 prefill on an sm_90 GPU: ``auto`` lowers the ragged path's GEMMs
+    to the expert_matmul custom call and matches ``ragged_dot`` and the
+    reference; decode-sized batches keep the dense einsum path."""
+    assert experts.grouped_gemm_runs_kernel(jnp.bfloat16, H, I), "the CUTLASS kernel does not run"
+    x, ids = _inputs(12, 3)
+    kw = dict(family=family, dtype=jnp.bfloat16, max_loras=3)
+    prefill = _block(gather_max_rows=8, **kw)
+    assert _calls_kernel(prefill, x, ids)
+    ragged = _block(gather_max_rows=8, expert_gemm="ragged_dot", **kw)
+    assert not _calls_kernel(ragged, x, ids)
+    got, want = _run(prefill, x, ids), _run(ragged, x, ids)
+    _close(got, want, rtol=1e-2)
+    if family == "qwen3":  # the reference here is the GLU families' math
+        _close(got, reference(prefill, x, ids), rtol=4e-2)
+    decode = _block(gather_max_rows=4096, **kw)
+    assert not _calls_kernel(decode, x, ids)
+
+
+@GPU
+def test_expert_gemm_kernel_gradients_on_gpu():
+    """The kernel's custom VJP in a training step: the gradients of ``auto``
+    (the kernel forward) equal those of ``ragged_dot`` within bf16 error."""
+    x, ids = _inputs(13, 3)
+
+    def grads(gemm):
+        block = _block(expert_gemm=gemm, gather_max_rows=8, dtype=jnp.bfloat16, max_loras=3)
+
+        def loss(block, x):
+            return jnp.sum(jnp.sin(block(x, jnp.asarray(ids)).astype(jnp.float32)))
+
+        return jax.jit(nnx.grad(loss, argnums=(0, 1)))(block, jnp.asarray(x))
+
+    for g, w in zip(jax.tree.leaves(grads("auto")), jax.tree.leaves(grads("ragged_dot"))):
+        w = np.asarray(w, np.float64)
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=0,
+                                   atol=5e-2 * max(np.abs(w).max(), 1e-6))

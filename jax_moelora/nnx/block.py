@@ -25,6 +25,8 @@ from flax import nnx
 
 from jax_moelora.int_range import check_int32_values
 from jax_moelora.nnx.experts import (
+    EXPERT_GEMMS,
+    ExpertGemm,
     ExpertRows,
     GluExperts,
     GptOssExperts,
@@ -77,10 +79,19 @@ class MoEBlock(nnx.Module):
       router_dtype: the router's dtype (its weight, logits, LoRA pools).
       impl: fold backend (``"auto"``, ``"fast"``, ``"seed"``, ``"cpu"``,
         ``"jnp"``; every one is differentiable).
-      expert_path: base expert matmuls: ``"ragged"`` (``jax.lax.ragged_dot``
-        over rows sorted by expert), ``"dense"`` (every expert on every token,
-        then the chosen rows), or ``"auto"`` (dense for batches that take the
-        gather fold, ragged otherwise).
+      expert_path: base expert matmuls: ``"ragged"`` (the grouped GEMM
+        ``expert_gemm`` over rows sorted by expert), ``"dense"`` (every
+        expert on every token, then the chosen rows), or ``"auto"`` (dense
+        for batches that take the gather fold, ragged otherwise).
+      expert_gemm: the grouped GEMM of the ragged path: ``"ragged_dot"``
+        (``jax.lax.ragged_dot``), ``"expert_matmul"`` (the library's
+        :func:`jax_moelora.expert_matmul`, no LoRA: the CUTLASS grouped GEMM
+        on a Hopper GPU for bf16/f16, its fp32-accumulated ``ragged_dot``
+        elsewhere), or ``"auto"``: ``expert_matmul`` where its CUTLASS kernel
+        runs and the computation is lowered for CUDA, ``ragged_dot`` on every
+        other platform and dtype (XLA:GPU lowers ``ragged_dot`` to a dense
+        zero-padded matmul). The LoRA deltas are folded after the GEMM in
+        every case. The dense path does not use it.
       gather_max_rows: batches of at most this many ``T * top_k`` rows fold
         with the gather fold in flat row order (decode); larger ones are
         sorted by expert once and take the grouped fold (prefill).
@@ -105,6 +116,7 @@ class MoEBlock(nnx.Module):
                  max_loras: int = 4, max_rank: int = 16, dtype: Any = jnp.float32,
                  param_dtype: Any = None, router_dtype: Any = jnp.float32,
                  impl: str = "auto", expert_path: ExpertPathOption = "auto",
+                 expert_gemm: ExpertGemm = "auto",
                  gather_max_rows: int = GATHER_MAX_ROWS, lora: bool = True,
                  kernel_init: Any = default_expert_init,
                  bias_init: Any = nnx.initializers.zeros_init(),
@@ -120,12 +132,14 @@ class MoEBlock(nnx.Module):
         if expert_path not in ("auto", "dense", "ragged"):
             raise ValueError(
                 f"expert_path must be 'auto', 'dense' or 'ragged', got {expert_path!r}")
+        if expert_gemm not in EXPERT_GEMMS:
+            raise ValueError(f"expert_gemm must be one of {EXPERT_GEMMS}, got {expert_gemm!r}")
         H, I, E = hidden_size, intermediate_size, num_experts
         self.hidden_size, self.intermediate_size, self.num_experts = H, I, E
         self.top_k, self.family = int(top_k), family
         self.dtype, self.router_dtype = jnp.dtype(dtype), jnp.dtype(router_dtype)
         self.param_dtype = self.dtype if param_dtype is None else jnp.dtype(param_dtype)
-        self.impl, self.expert_path = impl, expert_path
+        self.impl, self.expert_path, self.expert_gemm = impl, expert_path, expert_gemm
         self.gather_max_rows = int(gather_max_rows)
         self.router = Router(H, E, family=family, top_k=top_k, dtype=router_dtype,
                              param_dtype=router_dtype, kernel_init=router_kernel_init,
@@ -186,7 +200,8 @@ class MoEBlock(nnx.Module):
         """The routed experts' weighted sum ``[T, H]`` (float32) for tokens ``x [T, H]``."""
         t, k = topk_ids.shape
         plan = plan_rows(topk_ids, self.num_experts, gather_max_rows=self.gather_max_rows)
-        rows = ExpertRows.make(plan, self._path(plan.grouped), self.num_experts)
+        rows = ExpertRows.make(plan, self._path(plan.grouped), self.num_experts,
+                               self.expert_gemm)
         g, u = self.experts.first(x, rows)
         if routes is not None:  # gate and up: one fold of their stacked route
             gu = fold_planned(x, jnp.stack([g, u]), plan, routes.gate_up, adapter_ids,

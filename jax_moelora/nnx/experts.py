@@ -5,9 +5,12 @@ Routed experts work on the rows of a :class:`ExpertRows` (``T * top_k`` rows,
 token ``t``'s slot ``k`` in flat order ``t * top_k + k`` or sorted by expert,
 as the fold plan says); their LoRA deltas are folded by the block between
 :meth:`first` (gate and up) and :meth:`down`. Base matmuls take one of two
-paths: ``"ragged"`` (``jax.lax.ragged_dot`` on rows sorted by expert) or
+paths: ``"ragged"`` (a grouped GEMM on rows sorted by expert) or
 ``"dense"`` (every expert on every token, then the chosen rows: cheap for
-decode-sized batches).
+decode-sized batches). On the ragged path the grouped GEMM itself is chosen by
+the block's ``expert_gemm`` option (:data:`ExpertGemm`): ``jax.lax.ragged_dot``
+or the library's :func:`jax_moelora.expert_matmul` (a CUTLASS grouped GEMM on
+Hopper GPUs; XLA:GPU lowers ``ragged_dot`` to a dense zero-padded matmul).
 
 - :class:`GluExperts`: bias-free ``gate_proj``, ``up_proj [E, H, I]`` and
   ``down_proj [E, I, H]``, ``silu(gate) * up`` (Qwen3-MoE, Mixtral, DeepSeek).
@@ -27,14 +30,27 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_moelora import _ext
 from jax_moelora.nnx.families import GptOss
+from jax_moelora.ops.expert_matmul import expert_matmul as _library_expert_matmul
+from jax_moelora.ops.expert_matmul import uses_kernel
 from jax_moelora.ops.folds import RowPlan, plan_rows
 
-__all__ = ["ExpertPath", "ExpertRows", "GluExperts", "GptOssExperts", "SharedExperts",
-           "default_expert_init", "expert_matmul"]
+__all__ = ["EXPERT_GEMMS", "ExpertGemm", "ExpertPath", "ExpertRows", "GluExperts",
+           "GptOssExperts", "SharedExperts", "default_expert_init", "expert_matmul",
+           "expert_matmul_pair", "grouped_gemm_runs_kernel"]
 
 Array = jax.Array
 ExpertPath = Literal["dense", "ragged"]
+#: The grouped GEMM of the ragged path: ``"ragged_dot"`` (``jax.lax.ragged_dot``
+#: in the activation dtype, XLA's default precision), ``"expert_matmul"``
+#: (:func:`jax_moelora.expert_matmul` without LoRA, ``impl="auto"``: the CUTLASS
+#: kernel where it runs, else its fp32-accumulated ``ragged_dot``), or
+#: ``"auto"``: ``expert_matmul`` where its CUTLASS kernel runs (see
+#: :func:`grouped_gemm_runs_kernel`) and the computation is lowered for CUDA,
+#: ``ragged_dot`` everywhere else (so the CPU keeps ``ragged_dot``'s bits).
+ExpertGemm = Literal["auto", "ragged_dot", "expert_matmul"]
+EXPERT_GEMMS: tuple[str, ...] = ("auto", "ragged_dot", "expert_matmul")
 
 #: LeCun normal over each expert's ``[K, N]`` matrix of ``[E, K, N]`` weights.
 default_expert_init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
@@ -44,19 +60,24 @@ class ExpertRows(NamedTuple):
     """The rows the routed experts compute, and how the base matmuls run.
 
     ``plan``: the fold plan (flat or sorted rows). ``path``: ``"dense"`` or
-    ``"ragged"``. ``ragged``: the plan sorted by expert that ``ragged_dot``
+    ``"ragged"``. ``ragged``: the plan sorted by expert that the grouped GEMM
     reads (``plan`` itself when it is sorted; ``None`` on the dense path).
+    ``gemm``: the grouped GEMM of the ragged path (:data:`ExpertGemm`).
     """
 
     plan: RowPlan
     path: str
     ragged: RowPlan | None
+    gemm: str = "auto"
 
     @classmethod
-    def make(cls, plan: RowPlan, path: ExpertPath, num_experts: int) -> "ExpertRows":
+    def make(cls, plan: RowPlan, path: ExpertPath, num_experts: int,
+             gemm: ExpertGemm = "auto") -> "ExpertRows":
+        if gemm not in EXPERT_GEMMS:
+            raise ValueError(f"expert_gemm must be one of {EXPERT_GEMMS}, got {gemm!r}")
         if path == "dense" or plan.grouped:
-            return cls(plan, path, plan if path == "ragged" else None)
-        return cls(plan, path, plan_rows(plan.topk_ids, num_experts, gather_max_rows=0))
+            return cls(plan, path, plan if path == "ragged" else None, gemm)
+        return cls(plan, path, plan_rows(plan.topk_ids, num_experts, gather_max_rows=0), gemm)
 
     def experts(self) -> Array:
         """int32 ``[T * top_k]``: each row's expert, in plan order."""
@@ -90,14 +111,56 @@ def _dense_rows(h: Array, w: Array, topk_ids: Array) -> Array:
     return _take_slots(jnp.einsum("etk,ekn->etn", scat, w), topk_ids)
 
 
-def expert_matmul(x: Array, w: Array, rows: ExpertRows, *, x_gather: bool) -> Array:
-    """Each row through its expert's ``w [E, K, N]``: ``[T * top_k, N]`` in plan order.
+def grouped_gemm_runs_kernel(dtype: Any, k: int, n: int) -> bool:
+    """Whether ``expert_gemm="auto"`` takes :func:`jax_moelora.expert_matmul`
+    for a ``[*, k] x [E, k, n]`` GEMM traced now: computations go to a GPU with
+    the CUDA kernels (``_ext.cuda_available()``) and its CUTLASS kernel runs for
+    these operands (sm_90, bf16/f16, ``k`` and ``n`` multiples of
+    ``EXPERT_MATMUL_ALIGN``: ``ops.expert_matmul.uses_kernel``)."""
+    return _ext.cuda_available() and uses_kernel(dtype, k, n)
+
+
+def _ragged_dot(xs: Array, ws: tuple[Array, ...], sizes: Array) -> tuple[Array, ...]:
+    return tuple(jax.lax.ragged_dot(xs, w, sizes) for w in ws)
+
+
+def _expert_matmul(xs: Array, ws: tuple[Array, ...], sizes: Array) -> tuple[Array, ...]:
+    """The library's grouped GEMM without LoRA; a pair is one call (one launch)."""
+    if len(ws) == 2:
+        return tuple(_library_expert_matmul(xs, ws, sizes.astype(jnp.int32)))
+    return tuple(_library_expert_matmul(xs, w, sizes.astype(jnp.int32)) for w in ws)
+
+
+def _grouped_gemm(xs: Array, ws: tuple[Array, ...], sizes: Array,
+                  gemm: str) -> tuple[Array, ...]:
+    """Rows ``xs [M, K]`` sorted by expert (``sizes [E]`` rows each) through
+    each of ``ws`` (``[E, K, N]``, same shape): one ``[M, N]`` per weight."""
+    if gemm == "ragged_dot":
+        return _ragged_dot(xs, ws, sizes)
+    if gemm == "expert_matmul":
+        return _expert_matmul(xs, ws, sizes)
+    _, k, n = ws[0].shape
+    if not grouped_gemm_runs_kernel(xs.dtype, k, n):
+        return _ragged_dot(xs, ws, sizes)
+    # The kernel runs here: take it when lowered for CUDA, ragged_dot on any
+    # other platform (as the folds' impl="auto" does, ops/batching.py).
+    return jax.lax.platform_dependent(xs, ws, sizes, cuda=_expert_matmul, default=_ragged_dot)
+
+
+def expert_matmul_pair(x: Array, ws: tuple[Array, ...], rows: ExpertRows, *,
+                       x_gather: bool) -> tuple[Array, ...]:
+    """Each row through its expert's weights, for one or two weight sets of one
+    shape ``[E, K, N]`` on the same rows (gate and up: on the ragged path with
+    ``expert_matmul`` they are one grouped GEMM of ``2E`` problems).
 
     Args:
       x: ``[T, K]`` tokens (``x_gather``: row ``r`` reads its token) or
         ``[T * top_k, K]`` rows in plan order.
-      w: the experts' weights, ``x``'s dtype.
+      ws: the experts' weights, ``x``'s dtype.
       rows: the rows and the matmul path.
+
+    Returns:
+      one ``[T * top_k, N]`` per weight set, in plan order.
     """
     plan = rows.plan
     if rows.path == "ragged":
@@ -107,13 +170,22 @@ def expert_matmul(x: Array, w: Array, rows: ExpertRows, *, x_gather: bool) -> Ar
             xs = x[srt.sorted_token_ids]
         else:
             xs = x if plan.grouped else srt.to_plan_order(x)
-        out = jax.lax.ragged_dot(xs, w, sizes)
-        return out if plan.grouped else srt.to_flat_order(out)
-    if x_gather:
-        out = _dense_tokens(x, w, plan.topk_ids)
-    else:
-        out = _dense_rows(plan.to_flat_order(x), w, plan.topk_ids)
-    return plan.to_plan_order(out)
+        outs = _grouped_gemm(xs, tuple(ws), sizes, rows.gemm)
+        return outs if plan.grouped else tuple(srt.to_flat_order(o) for o in outs)
+    outs = []
+    for w in ws:
+        if x_gather:
+            out = _dense_tokens(x, w, plan.topk_ids)
+        else:
+            out = _dense_rows(plan.to_flat_order(x), w, plan.topk_ids)
+        outs.append(plan.to_plan_order(out))
+    return tuple(outs)
+
+
+def expert_matmul(x: Array, w: Array, rows: ExpertRows, *, x_gather: bool) -> Array:
+    """Each row through its expert's ``w [E, K, N]``: ``[T * top_k, N]`` in plan
+    order (:func:`expert_matmul_pair` with one weight set)."""
+    return expert_matmul_pair(x, (w,), rows, x_gather=x_gather)[0]
 
 
 def _f32(v: Array) -> Array:
@@ -145,8 +217,8 @@ class GluExperts(nnx.Module):
 
     def first(self, x: Array, rows: ExpertRows) -> tuple[Array, Array]:
         """Tokens ``x [T, H]`` -> base ``(gate, up)`` rows ``[T * top_k, I]`` each."""
-        g = expert_matmul(x, self.gate_proj[...].astype(self.dtype), rows, x_gather=True)
-        u = expert_matmul(x, self.up_proj[...].astype(self.dtype), rows, x_gather=True)
+        g, u = expert_matmul_pair(x, (self.gate_proj[...].astype(self.dtype),
+                                      self.up_proj[...].astype(self.dtype)), rows, x_gather=True)
         return g, u
 
     def activation(self, g: Array, u: Array) -> Array:
