@@ -2,21 +2,18 @@
 // the window that folds, written to the handler's xa scratch [te, R].
 // prefill_expand.cu then folds round(xa . B) into base_out.
 //
-// Persistent CTAs walk tiles of kTileRows rows of one expert span (in
-// round-major order over the experts). Per tile:
-//  1. every row resolves its table row (adapter) and pair; the rows are
-//     ranked by table row into slots (rank_tile_rows), a segment per adapter;
-//  2. a "unit" is a segment's 16 ranks [16j, 16j + 16); a pass takes up to
-//     kShrUnits consecutive units (their A rows) and the x rows of their
-//     segments, and streams K through a kShrStages-stage cp.async pipeline in
-//     chunks of kShrKc. A pass has up to 32 "pairs" (unit, group of 8 slots
-//     that meets the unit's segment); each warp multiplies a run of
-//     consecutive pairs (one A fragment load per unit) over the whole of K
-//     (mma m16n8k16: ranks in M, rows in N, fp32, k in order), so a tile's x
-//     rows stream once whatever its adapters (R <= 16: one pass for up to 4
-//     adapters);
-//  3. the sums are rounded into xa in shared memory, then the folding rows
-//     are stored in 16-byte vectors.
+// A "batch" is up to MR = 8 * NRG rows of one tile that fold with one pair
+// (one A block [R, K]). One CTA of kCellThreads runs a batch on the tensor
+// cores: K streams in chunks of kCellKc through an S-stage cp.async pipeline
+// (the chunk of A for RP ranks and of the batch's x rows, in shared memory,
+// up to S chunks in flight); warp w multiplies the 32-wide slice w of every
+// chunk (mma m16n8k16, rank in M, rows in N, fp32); the 8 warp partials are
+// summed in warp order and rounded into xa (activation dtype), then stored.
+// Ranks go in passes of RP = 16 * SP, SP * NRG = 8 accumulator tiles per warp.
+// Persistent CTAs walk the MR-row tiles of the expert spans in round-major
+// order; a tile's rows with one table row form a batch (one pass over K per
+// adapter in the tile), so x is read once per row whatever the number of
+// adapters in a tile.
 
 #include "fast/fast_common.cuh"
 
@@ -24,92 +21,193 @@ namespace moelora {
 namespace fast {
 namespace {
 
-constexpr int kShrThreads = 256;
-constexpr int kShrWarps = kShrThreads / 32;
-constexpr int kShrKc = 64;                     // k per pipeline stage
-constexpr int kShrStages = 3;
-constexpr int kShrUnits = 4;                   // 16-rank units (A rows / 16) per pass
-constexpr int kShrPairsPerWarp = 4;
-constexpr int kShrMaxPairs = kShrWarps * kShrPairsPerWarp;
-// Stage row strides (bytes): lanes 0-7 of an mma operand load read A rows 2
-// apart (160 B * 2 = 64 B mod 128) or x rows 1 apart (192 B = 64 B mod 128):
-// no bank conflicts.
-constexpr int kShrAStride = kShrKc * 2 + 32;
-constexpr int kShrXStride = kShrKc * 2 + 64;
-constexpr int kShrXOffset = kShrUnits * 16 * kShrAStride;  // A rows, then x rows
-constexpr int kShrStageBytes = kShrXOffset + kTileRows * kShrXStride;
-constexpr int kShrResident = 3;
+constexpr int kCellThreads = 256;
+constexpr int kCellWarps = kCellThreads / 32;
+constexpr int kCellKc = kCellWarps * 32;        // k per stage: one 32-wide slice per warp
+constexpr int kCellAStride = kCellKc * 2 + 32;  // bytes per A row: rows 2 apart 64 B apart in banks
+constexpr int kCellXStride = kCellKc * 2 + 64;  // bytes per x row: adjacent rows 64 B apart
+constexpr int kCellStageBudget = 96 * 1024;     // shared memory for the pipeline stages
+constexpr int kCellMaxStages = 4;
 
-// Shared memory: the stages, xa [kTileRows][xs] (activation dtype), then the
-// tile's metadata.
-struct ShrinkLayout {
-  int xs, off_xa, off_meta, total;
-  __host__ __device__ explicit ShrinkLayout(int r16) {
+// Shared memory of a cells CTA (byte offsets).
+struct CellLayout {
+  int mr, r16, rp, xs;  // rows per batch, R rounded to 16, ranks per pass, xa row stride
+  int stage, stages;
+  int off_stage, off_xa, off_list, off_xrow, off_orow, off_misc, total;
+  __host__ __device__ CellLayout(int nrg, int R, int nstages) {
+    mr = 8 * nrg;
+    r16 = (R + 15) / 16 * 16;
+    const int sp = nrg >= 8 ? 1 : 8 / nrg;
+    rp = r16 < 16 * sp ? r16 : 16 * sp;
     xs = r16 + 8;
-    off_xa = kShrStages * kShrStageBytes;
-    off_meta = off_xa + kTileRows * xs * 2;
-    total = off_meta + (10 * kTileRows + 16) * 4;
+    stage = rp * kCellAStride + mr * kCellXStride;
+    stages = nstages;
+    const int wbuf = kCellWarps * mr * rp * 4;  // warp partials alias the stages
+    int o = 0;
+    off_stage = o; o += stages * stage > wbuf ? stages * stage : wbuf;
+    off_xa = o; o += (mr * xs * 2 + 15) / 16 * 16;
+    off_list = o; o += 128 * 4;  // the tile's table rows and tokens
+    off_xrow = o; o += mr * 4;
+    off_orow = o; o += mr * 4;
+    off_misc = o; o += 64 * 4;
+    total = (o + 127) / 128 * 128;
+  }
+  static int stages_for(int nrg, int R) {
+    const int s = kCellStageBudget / CellLayout(nrg, R, 1).stage;
+    return s < 1 ? 1 : (s > kCellMaxStages ? kCellMaxStages : s);
   }
 };
 
-// The units [u0, u1) of the pass that starts at unit u0 (units are (segment,
-// 16-rank slab) in segment-major order), and its pair count. Pairs are
-// numbered unit by unit.
-__device__ __forceinline__ void plan_pass(const int* s_seg, int n_seg, int slabs, int u0, int* u1,
-                                          int* npairs) {
-  int u = u0, pairs = 0;
-  while (u < n_seg * slabs && u - u0 < kShrUnits) {
-    const int sg = u / slabs;
-    const int groups = (s_seg[sg + 1] - 1) / 8 - s_seg[sg] / 8 + 1;
-    if (pairs + groups > kShrMaxPairs) break;
-    pairs += groups;
-    ++u;
+// Wait until at most n committed groups are pending (n < kCellMaxStages).
+__device__ __forceinline__ void cp_async_wait_dyn(int n) {
+  switch (n) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    default: cp_async_wait<3>(); break;
   }
-  *u1 = u;
-  *npairs = pairs;
 }
 
-// Pair p of the pass [u0, u1): its unit and group of 8 slots.
-__device__ __forceinline__ void pass_pair(const int* s_seg, int slabs, int u0, int u1, int p,
-                                          int* unit, int* group) {
-  for (int u = u0; u < u1; ++u) {
-    const int sg = u / slabs;
-    const int g0 = s_seg[sg] / 8, groups = (s_seg[sg + 1] - 1) / 8 - g0 + 1;
-    if (p < groups) {
-      *unit = u;
-      *group = g0 + p;
-      return;
+// xa[q, :] = round(x[xrow[q]] . A[j]) for the batch's nrows rows (shared
+// memory). Every thread of the CTA calls it; it ends with a barrier.
+template <DType D, int NRG>
+__device__ void cell_shrink(char* smem, const CellLayout& lay, int nrows, const uint16_t* x,
+                            const uint16_t* A, int64_t K, int R) {
+  constexpr int SP = NRG >= 8 ? 1 : 8 / NRG;
+  constexpr int kPieces = kCellKc / 8;  // 16-byte pieces per row of a chunk
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int* s_xrow = reinterpret_cast<const int*>(smem + lay.off_xrow);
+  uint16_t* xa = reinterpret_cast<uint16_t*>(smem + lay.off_xa);
+  char* stages = smem + lay.off_stage;
+  float* wbuf = reinterpret_cast<float*>(stages);
+  const int nch = int((K + kCellKc - 1) / kCellKc);
+  const int nrg = (nrows + 7) / 8;
+  for (int p0 = 0; p0 < lay.r16; p0 += lay.rp) {
+    const int rp = min(lay.rp, lay.r16 - p0);
+    const int nslab = rp / 16;
+    const int npieces = (rp + nrg * 8) * kPieces;
+    auto issue = [&](int c, int buf) {
+      char* st = stages + buf * lay.stage;
+      const int64_t kb = int64_t(c) * kCellKc;
+      for (int i = tid; i < npieces; i += kCellThreads) {
+        const int ri = i / kPieces, seg = i - ri * kPieces;
+        const int64_t k = kb + seg * 8;
+        const uint16_t* src = A;
+        bool valid;
+        char* dst;
+        if (ri < rp) {
+          const int j = p0 + ri;
+          valid = j < R && k < K;
+          if (valid) src = A + int64_t(j) * K + k;
+          dst = st + ri * kCellAStride + seg * 16;
+        } else {
+          const int q = ri - rp;
+          valid = q < nrows && k < K;
+          if (valid) src = x + int64_t(s_xrow[q]) * K + k;
+          dst = st + rp * kCellAStride + q * kCellXStride + seg * 16;
+        }
+        cp_async16(dst, src, valid);
+      }
+    };
+    float acc[SP][NRG][4];
+#pragma unroll
+    for (int s = 0; s < SP; ++s)
+#pragma unroll
+      for (int r = 0; r < NRG; ++r)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[s][r][i] = 0.f;
+    for (int c = 0; c < lay.stages; ++c) {
+      if (c < nch) issue(c, c);
+      cp_async_commit();
     }
-    p -= groups;
+    const int kofs = (w * 32 + 8 * t) * 2;
+    for (int c = 0; c < nch; ++c) {
+      cp_async_wait_dyn(lay.stages - 1);  // chunk c has landed
+      __syncthreads();
+      const char* st = stages + (c % lay.stages) * lay.stage;
+      uint4 a0[SP], a1[SP];
+#pragma unroll
+      for (int s = 0; s < SP; ++s) {
+        if (s >= nslab) continue;
+        a0[s] = *reinterpret_cast<const uint4*>(st + (16 * s + 2 * g) * kCellAStride + kofs);
+        a1[s] = *reinterpret_cast<const uint4*>(st + (16 * s + 2 * g + 1) * kCellAStride + kofs);
+      }
+#pragma unroll
+      for (int r = 0; r < NRG; ++r) {
+        if (r >= nrg) continue;
+        const uint4 xf = *reinterpret_cast<const uint4*>(st + rp * kCellAStride +
+                                                         (r * 8 + g) * kCellXStride + kofs);
+#pragma unroll
+        for (int s = 0; s < SP; ++s) {
+          if (s >= nslab) continue;
+          Mma<D>::run(acc[s][r], a0[s].x, a1[s].x, a0[s].y, a1[s].y, xf.x, xf.y);
+          Mma<D>::run(acc[s][r], a0[s].z, a1[s].z, a0[s].w, a1[s].w, xf.z, xf.w);
+        }
+      }
+      __syncthreads();  // stage c % S is refilled next
+      if (c + lay.stages < nch) issue(c + lay.stages, c % lay.stages);
+      cp_async_commit();
+    }
+    cp_async_wait<0>();
+    // C fragment: c0 (rank 2g, row 2t), c1 (2g, 2t+1), c2 (2g+1, 2t), c3 (2g+1, 2t+1)
+#pragma unroll
+    for (int s = 0; s < SP; ++s) {
+      if (s >= nslab) continue;
+#pragma unroll
+      for (int r = 0; r < NRG; ++r) {
+        if (r >= nrg) continue;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int q = r * 8 + 2 * t + (i & 1);
+          wbuf[(w * lay.mr + q) * rp + 16 * s + 2 * g + (i >> 1)] = acc[s][r][i];
+        }
+      }
+    }
+    __syncthreads();
+    for (int e = tid; e < nrows * rp; e += kCellThreads) {
+      const int q = e / rp, jl = e - q * rp;
+      float v = wbuf[q * rp + jl];
+#pragma unroll
+      for (int ww = 1; ww < kCellWarps; ++ww) v += wbuf[(ww * lay.mr + q) * rp + jl];
+      xa[q * lay.xs + p0 + jl] = f2h<D>(v);
+    }
+    __syncthreads();  // the next pass refills the stages (= wbuf)
   }
-  *unit = u0;
-  *group = 0;
 }
 
-template <DType D>
-__global__ void __launch_bounds__(kShrThreads, kShrResident)
-    grouped_shrink_kernel(const GroupedParams prm) {
+// Store the batch's xa rows (shared memory) to the scratch rows orow[q].
+__device__ __forceinline__ void store_xa(const char* smem, const CellLayout& lay, int nrows,
+                                         uint16_t* xa_out, int R) {
+  const uint16_t* xa = reinterpret_cast<const uint16_t*>(smem + lay.off_xa);
+  const int* s_orow = reinterpret_cast<const int*>(smem + lay.off_orow);
+  const int vecs = R / 8;  // R % 8 == 0: 16-byte pieces per row
+  for (int i = threadIdx.x; i < nrows * vecs; i += blockDim.x) {
+    const int q = i / vecs, v = i - q * vecs;
+    *reinterpret_cast<uint4*>(xa_out + int64_t(s_orow[q]) * R + 8 * v) =
+        *reinterpret_cast<const uint4*>(xa + q * lay.xs + 8 * v);
+  }
+}
+
+template <DType D, int NRG>
+__global__ void __launch_bounds__(kCellThreads, 2) grouped_shrink_kernel(const GroupedParams prm,
+                                                                       const int stages) {
+  constexpr int MR = 8 * NRG;
+  static_assert(MR <= 64, "tile rows");
   extern __shared__ __align__(128) char smem[];
   const GroupedArgs& a = prm.a;
   // The expand launch may start now: it loads its base_out tiles and waits
   // for this grid's end (griddepcontrol.wait) before it reads xa.
   asm volatile("griddepcontrol.launch_dependents;");
   if (!cta_offsets_well_formed(a.expert_offsets, a.num_experts, a.te)) return;  // uniform
-  const int R = int(a.R), r16 = (R + 15) / 16 * 16, slabs = r16 / 16;
-  const ShrinkLayout lay(r16);
-  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
-  uint16_t* s_xa = reinterpret_cast<uint16_t*>(smem + lay.off_xa);
-  int* s_key = reinterpret_cast<int*>(smem + lay.off_meta);  // [rows] table row or INT_MAX
-  int* s_aslot = s_key + kTileRows;                          // [rows] A pool slot
-  int* s_xrow = s_aslot + kTileRows;                         // [rows] x row
-  int* s_slot = s_xrow + kTileRows;
-  int* s_row = s_slot + kTileRows;
-  int* s_part = s_row + kTileRows;                           // [4][rows]
-  int* s_seg = s_part + 4 * kTileRows;                       // [segments + 1]
-  int* s_misc = s_seg + kTileRows + 1;                       // [8]
+  const CellLayout lay(NRG, int(a.R), stages);
+  const int tid = threadIdx.x, lane = tid & 31;
   const int64_t lo = max(int64_t(0), a.row_offset), hi = min(a.row_end, a.te);
-  const int E = prm.e_eff;
-  const int64_t K = a.K;
+  const int E = prm.e_eff, R = int(a.R);
+  int* s_misc = reinterpret_cast<int*>(smem + lay.off_misc);
+  int* s_l = reinterpret_cast<int*>(smem + lay.off_list);  // [64] table row or -1
+  int* s_tok = s_l + 64;
+  int* s_xrow = reinterpret_cast<int*>(smem + lay.off_xrow);
+  int* s_orow = reinterpret_cast<int*>(smem + lay.off_orow);
   auto span = [&](int e, int64_t* start, int64_t* len) {
     int64_t s0 = a.expert_offsets[e], s1 = a.expert_offsets[e + 1];
     s0 = min(max(s0, lo), hi);
@@ -118,184 +216,118 @@ __global__ void __launch_bounds__(kShrThreads, kShrResident)
     *len = s1 - s0;
   };
   int local_max = 0;
-  for (int e = tid; e < E; e += kShrThreads) {
+  for (int e = tid; e < E; e += kCellThreads) {
     int64_t st, ln;
     span(e, &st, &ln);
-    local_max = max(local_max, int((ln + kTileRows - 1) / kTileRows));
+    local_max = max(local_max, int((ln + MR - 1) / MR));
   }
   local_max = __reduce_max_sync(0xffffffffu, local_max);
-  if (tid == 0) s_misc[6] = 0;
+  if (lane == 0) s_misc[tid >> 5] = local_max;
   __syncthreads();
-  if (lane == 0) atomicMax(&s_misc[6], local_max);
+  int max_tiles = 0;
+#pragma unroll
+  for (int i = 0; i < kCellWarps; ++i) max_tiles = max(max_tiles, s_misc[i]);
   __syncthreads();
-  const int max_tiles = s_misc[6];
+  const RouteView& rt = a.route;
+  const bool need_tok = a.x_gather || a.has_row_adapter;
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
-  const uint16_t* a_pool = static_cast<const uint16_t*>(a.a_pool);
   uint16_t* xa_out = static_cast<uint16_t*>(a.xa);
-  const int nch = int((K + kShrKc - 1) / kShrKc);
   const int64_t total_v = int64_t(E) * max_tiles;
   for (int64_t v = blockIdx.x; v < total_v; v += gridDim.x) {
     const int i = int(v / E), e = int(v % E);
     int64_t st, ln;
     span(e, &st, &ln);
-    const int64_t r0 = st + int64_t(i) * kTileRows;
+    const int64_t r0 = st + int64_t(i) * MR;
     if (r0 >= st + ln) continue;  // uniform over the CTA
-    const int cnt = int(min(int64_t(kTileRows), st + ln - r0));
-    // 1. the rows' pairs, ranked by table row
-    if (tid < kTileRows) {
-      int key = INT_MAX, aslot = 0, xrow = 0;
+    const int cnt = int(min(int64_t(MR), st + ln - r0));
+    if (tid < 64) {
+      int lv = -1, tok = 0;
       if (tid < cnt) {
         int64_t tk, ad;
-        Pair pair;
         if (grouped_row_adapter(a.sorted_token_ids, a.row_adapter, a.has_row_adapter,
-                                a.num_tokens, a.x_gather, r0 + tid, &tk, &ad) &&
-            resolve_pair(a.route, ad, e, &pair)) {
-          key = int(a.route.num_loras == 1 ? 0 : ad);
-          aslot = pair.a;
-          xrow = int(a.x_gather ? tk : r0 + tid);
+                                a.num_tokens, a.x_gather, r0 + tid, &tk, &ad)) {
+          const int64_t ll = rt.num_loras == 1 ? 0 : ad;
+          if (ad >= 0 && ll < rt.num_loras) lv = int(ll);
+          tok = need_tok ? int(tk) : 0;
         }
       }
-      s_key[tid] = key;
-      s_aslot[tid] = aslot;
-      s_xrow[tid] = xrow;
+      s_l[tid] = lv;
+      s_tok[tid] = tok;
     }
     __syncthreads();
-    rank_tile_rows(s_key, s_part, s_slot, s_row, s_seg, s_misc);
-    const int n_fold = s_misc[0], n_seg = s_misc[1];
-    // 2. the passes
-    for (int u0 = 0; u0 < n_seg * slabs;) {
-      int u1, npairs;
-      plan_pass(s_seg, n_seg, slabs, u0, &u1, &npairs);
-      const int slo = s_seg[u0 / slabs] & ~7, shi = s_seg[(u1 - 1) / slabs + 1];
-      const int nx = shi - slo, na = (u1 - u0) * 16;
-      auto issue = [&](int c) {
-        if (c < nch) {
-          char* stg = smem + (c % kShrStages) * kShrStageBytes;
-          const int64_t kb = int64_t(c) * kShrKc;
-          constexpr int kPieces = kShrKc / 8;
-          for (int pi = tid; pi < (na + nx) * kPieces; pi += kShrThreads) {
-            const int ri = pi / kPieces, seg = pi % kPieces;
-            const int64_t k = kb + 8 * seg;
-            const uint16_t* src = x;
-            bool valid = k < K;
-            char* dst;
-            if (ri < na) {  // A row of unit u0 + ri / 16
-              const int u = u0 + ri / 16, j = (u % slabs) * 16 + ri % 16;
-              valid = valid && j < R;
-              if (valid) src = a_pool + (int64_t(s_aslot[s_row[s_seg[u / slabs]]]) * R + j) * K + k;
-              dst = stg + ri * kShrAStride;
-            } else {  // x row of slot slo + (ri - na)
-              const int s = slo + ri - na;
-              valid = valid && s < n_fold;
-              if (valid) src = x + int64_t(s_xrow[s_row[s]]) * K + k;
-              dst = stg + kShrXOffset + (ri - na) * kShrXStride;
-            }
-            cp_async16(dst + 16 * seg, src, valid);
-          }
-        }
-        cp_async_commit();
-      };
-      // this warp's pairs [p0, p0 + np): A row (unit) and x row (group) in a stage
-      const int ppw = (npairs + kShrWarps - 1) / kShrWarps;
-      const int p0 = w * ppw, np = max(0, min(ppw, npairs - p0));
-      int pa[kShrPairsPerWarp], px[kShrPairsPerWarp];
-#pragma unroll
-      for (int k = 0; k < kShrPairsPerWarp; ++k) {
-        int unit = u0, group = slo / 8;
-        if (k < np) pass_pair(s_seg, slabs, u0, u1, p0 + k, &unit, &group);
-        pa[k] = (unit - u0) * 16;
-        px[k] = group * 8 - slo;
-      }
-      float acc[kShrPairsPerWarp][4];
-#pragma unroll
-      for (int k = 0; k < kShrPairsPerWarp; ++k)
-#pragma unroll
-        for (int m = 0; m < 4; ++m) acc[k][m] = 0.f;
-#pragma unroll
-      for (int c = 0; c < kShrStages - 1; ++c) issue(c);
-      for (int c = 0; c < nch; ++c) {
-        cp_async_wait<kShrStages - 2>();  // chunk c has landed (this thread's pieces)
-        __syncthreads();                  // everyone's pieces; chunk c - 1 is consumed
-        issue(c + kShrStages - 1);        // into the stage chunk c - 1 used
-        const char* stg = smem + (c % kShrStages) * kShrStageBytes;
-#pragma unroll
-        for (int kb = 0; kb < kShrKc; kb += 32) {
-          const int ko = (kb + 8 * t) * 2;
-          uint4 a0 = make_uint4(0u, 0u, 0u, 0u), a1 = a0;
-#pragma unroll
-          for (int k = 0; k < kShrPairsPerWarp; ++k) {
-            if (k >= np) continue;
-            // mma row g holds rank 2g, row g + 8 rank 2g + 1; lane t's 8 k
-            // values are kb + 8t .. kb + 8t + 7, the same for A and x
-            if (k == 0 || pa[k] != pa[k - 1]) {
-              a0 = *reinterpret_cast<const uint4*>(stg + (pa[k] + 2 * g) * kShrAStride + ko);
-              a1 = *reinterpret_cast<const uint4*>(stg + (pa[k] + 2 * g + 1) * kShrAStride + ko);
-            }
-            const uint4 xf = *reinterpret_cast<const uint4*>(stg + kShrXOffset +
-                                                             (px[k] + g) * kShrXStride + ko);
-            Mma<D>::run(acc[k], a0.x, a1.x, a0.y, a1.y, xf.x, xf.y);
-            Mma<D>::run(acc[k], a0.z, a1.z, a0.w, a1.w, xf.z, xf.w);
-          }
+    const int v0 = s_l[lane], v1 = s_l[lane + 32];
+    int prev = -1;
+    for (;;) {
+      // the next table row present in the tile (every warp computes the same)
+      const int m0 = v0 > prev ? v0 : INT_MAX, m1 = v1 > prev ? v1 : INT_MAX;
+      const int cur = __reduce_min_sync(0xffffffffu, min(m0, m1));
+      if (cur == INT_MAX) break;
+      prev = cur;
+      Pair pair;
+      if (!resolve_pair(rt, cur, e, &pair)) continue;
+      const unsigned b0 = __ballot_sync(0xffffffffu, v0 == cur);
+      const unsigned b1 = __ballot_sync(0xffffffffu, v1 == cur);
+      const int nrows = __popc(b0) + __popc(b1);
+      if (tid < 64) {
+        const bool mine = tid < 32 ? ((b0 >> tid) & 1u) : ((b1 >> (tid - 32)) & 1u);
+        if (mine) {
+          const int pos = tid < 32 ? __popc(b0 & ((1u << tid) - 1u))
+                                   : __popc(b0) + __popc(b1 & ((1u << (tid - 32)) - 1u));
+          const int r = int(r0 + tid);
+          s_orow[pos] = r;
+          s_xrow[pos] = a.x_gather ? s_tok[tid] : r;
         }
       }
-      cp_async_wait<0>();
-      // C fragment: c0 (rank 2g, slot 2t), c1 (2g, 2t + 1), c2 (2g + 1, 2t), c3 (2g + 1, 2t + 1)
-#pragma unroll
-      for (int k = 0; k < kShrPairsPerWarp; ++k) {
-        if (k >= np) continue;
-        int unit, group;
-        pass_pair(s_seg, slabs, u0, u1, p0 + k, &unit, &group);
-        const int sg = unit / slabs, j0 = (unit % slabs) * 16;
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          const int s = group * 8 + 2 * t + (m & 1), j = j0 + 2 * g + (m >> 1);
-          if (s >= s_seg[sg] && s < s_seg[sg + 1]) s_xa[s * lay.xs + j] = f2h<D>(acc[k][m]);
-        }
-      }
-      __syncthreads();  // the stages are refilled by the next pass
-      u0 = u1;
+      __syncthreads();
+      const uint16_t* A = static_cast<const uint16_t*>(a.a_pool) + int64_t(pair.a) * R * a.K;
+      cell_shrink<D, NRG>(smem, lay, nrows, x, A, a.K, R);
+      store_xa(smem, lay, nrows, xa_out, R);
+      __syncthreads();  // s_xrow, s_orow and xa are rewritten by the next pass
     }
-    // 3. the folding rows' xa
-    const int vecs = R / 8;  // R % 8 == 0
-    for (int pi = tid; pi < n_fold * vecs; pi += kShrThreads) {
-      const int s = pi / vecs, vv = pi % vecs;
-      *reinterpret_cast<uint4*>(xa_out + (r0 + s_row[s]) * R + 8 * vv) =
-          *reinterpret_cast<const uint4*>(s_xa + s * lay.xs + 8 * vv);
-    }
-    __syncthreads();  // the metadata and xa are rewritten by the next tile
+    __syncthreads();  // s_l and s_tok are rewritten by the next tile
   }
 }
 
-template <DType D>
-cudaError_t grouped_shrink(const GroupedArgs& a, cudaStream_t stream) {
+template <DType D, int NRG>
+cudaError_t grouped_shrink_nrg(const GroupedArgs& a, cudaStream_t stream) {
+  constexpr int MR = 8 * NRG;
   GroupedParams prm = {};
   prm.a = a;
   const int64_t lo = std::max<int64_t>(0, a.row_offset), hi = std::min<int64_t>(a.row_end, a.te);
   prm.e_eff = int(std::min<int64_t>(a.route.n_experts, a.num_experts));
-  const ShrinkLayout lay(int((a.R + 15) / 16 * 16));
-  const int64_t tiles = (hi - lo + kTileRows - 1) / kTileRows + prm.e_eff;
-  auto kernel = grouped_shrink_kernel<D>;
+  const int stages = CellLayout::stages_for(NRG, int(a.R));
+  const CellLayout lay(NRG, int(a.R), stages);
+  const int64_t tiles = (hi - lo + MR - 1) / MR + prm.e_eff;
+  auto kernel = grouped_shrink_kernel<D, NRG>;
   if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(kernel), lay.total);
       err != cudaSuccess)
     return err;
   int per_sm = 1;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kShrThreads, lay.total) !=
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kCellThreads, lay.total) !=
           cudaSuccess ||
       per_sm < 1)
     per_sm = 1;
   const int64_t ctas = std::min<int64_t>(tiles, int64_t(sm_count()) * per_sm);
-  kernel<<<unsigned(ctas), kShrThreads, lay.total, stream>>>(prm);
+  kernel<<<unsigned(ctas), kCellThreads, lay.total, stream>>>(prm, stages);
   return cudaPeekAtLastError();
 }
 
 }  // namespace
 
-// The caller checks grouped_split_fits and that the window [max(0,
-// row_offset), min(row_end, te)) and min(route.n_experts, num_experts) are not
-// empty.
+// Tiles of 64 rows at rank <= 16, 32 at rank <= 32, else 16 (the
+// accumulators of a warp stay at 8 tensor-core tiles). The caller checks
+// grouped_split_fits and that the window [max(0, row_offset), min(row_end,
+// te)) and min(route.n_experts, num_experts) are not empty.
 cudaError_t launch_grouped_shrink(const GroupedArgs& a, cudaStream_t stream) {
-  return a.dtype == DType::kBf16 ? grouped_shrink<DType::kBf16>(a, stream)
-                                 : grouped_shrink<DType::kF16>(a, stream);
+  const bool bf16 = a.dtype == DType::kBf16;
+  if (a.R <= 16)
+    return bf16 ? grouped_shrink_nrg<DType::kBf16, 8>(a, stream)
+                : grouped_shrink_nrg<DType::kF16, 8>(a, stream);
+  if (a.R <= 32)
+    return bf16 ? grouped_shrink_nrg<DType::kBf16, 4>(a, stream)
+                : grouped_shrink_nrg<DType::kF16, 4>(a, stream);
+  return bf16 ? grouped_shrink_nrg<DType::kBf16, 2>(a, stream)
+              : grouped_shrink_nrg<DType::kF16, 2>(a, stream);
 }
 
 }  // namespace fast
