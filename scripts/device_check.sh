@@ -22,7 +22,8 @@
 #        CMDBUF_FLAGS="<XLA_FLAGS of the cmdbuf step's second runs>"  GEMM="<bench --gemm args>"
 #        (timing: the decode timing, then `demo --timing --prefill`, T = 4096, base and
 #        4 adapters with ragged_dot and expert_matmul as the grouped GEMM, into
-#        timing_prefill.json/.log; PREFILL="<its extra demo args>", PREFILL_S=<its timeout>)
+#        timing_prefill.json/.log; PREFILL="<its extra demo args>", PREFILL_S=<its timeout, 0 skips it>;
+#        TIMING="<extra args of the decode timing>", e.g. TIMING="--trace \$OUT/r/trace")
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 R=$OUT/r; mkdir -p "$R"
@@ -75,9 +76,11 @@ if has gemm; then
   step gemm; timeout 240 python3 -m jax_moelora bench --gemm ${GEMM:---models qwen} --out "$R/gemm" > "$R/gemm.log" 2>&1; step "gemm rc=$?"
 fi
 if has timing; then
-  step timing; timeout 90 python3 -m jax_moelora demo --timing --repeats 10 --json "$R/timing.json" > "$R/timing.log" 2>&1; step "timing rc=$?"
-  step "timing prefill"; timeout "${PREFILL_S:-150}" python3 -m jax_moelora demo --timing --prefill ${PREFILL:-} \
-    --json "$R/timing_prefill.json" > "$R/timing_prefill.log" 2>&1; step "timing prefill rc=$?"
+  step timing; timeout 90 python3 -m jax_moelora demo --timing --repeats 10 ${TIMING:-} --json "$R/timing.json" > "$R/timing.log" 2>&1; step "timing rc=$?"
+  if [ "${PREFILL_S:-150}" -gt 0 ]; then
+    step "timing prefill"; timeout "${PREFILL_S:-150}" python3 -m jax_moelora demo --timing --prefill ${PREFILL:-} \
+      --json "$R/timing_prefill.json" > "$R/timing_prefill.log" 2>&1; step "timing prefill rc=$?"
+  fi
 fi
 if has suite; then
   step suite; timeout ${SUITE_S:-300} python3 -m pytest -q -p no:cacheprovider -n 8 -rf ${TESTS:-} > "$R/suite.log" 2>&1; step "suite rc=$?"
