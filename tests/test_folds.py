@@ -472,22 +472,31 @@ def test_fast_grouped_kernels_match_reference(rng, impl, dtype, x_gather, shape)
            ref=case.reference(row_offset=lo, row_end=hi))
 
 
+# launch_gather_fast takes the rows kernel when rows < 2 * min(rows, L * E_t)
+# or rows * R * (K + N) * 2 <= 48 MiB, else the cells kernel: the "cells"
+# shapes are several rows per cell and 100-190 MB of per-row A/B reads.
+_CELLS_KN = dict(k_in=2048, n_out=1028)
+
+
 @pytest.mark.parametrize("shape", [
     dict(num_tokens=8, top_k=2, n_experts=64, num_loras=4),     # ~1 row per cell: rows kernel
     dict(num_tokens=1, top_k=8, n_experts=64, num_loras=1),     # T = 1
     dict(num_tokens=8, top_k=2, n_experts=64, num_loras=4, ranks=(24, 40), max_rank=40),
-    dict(num_tokens=64, top_k=2, n_experts=4, num_loras=2),     # many rows per cell: cells kernel
-    dict(num_tokens=40, top_k=4, n_experts=8, num_loras=3, ranks=(24, 40), max_rank=48),
-], ids=["rows", "rows-T1", "rows-R40", "cells", "cells-R48"])
+    dict(num_tokens=64, top_k=2, n_experts=4, num_loras=2),     # few rows, 16 per cell: rows
+    dict(num_tokens=512, top_k=2, n_experts=4, num_loras=2, **_CELLS_KN),  # cells kernel
+    dict(num_tokens=160, top_k=4, n_experts=8, num_loras=3, ranks=(24, 40), max_rank=48,
+         **_CELLS_KN),
+], ids=["rows", "rows-T1", "rows-R40", "rows-L2-small", "cells", "cells-R48"])
 @pytest.mark.parametrize("x_gather", [0, 1])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("impl", [pytest.param("fast", marks=GPU)])
 def test_fast_gather_kernels_match_reference(rng, impl, dtype, x_gather, shape):
     """Both fast decode kernels (launch_gather_fast picks rows or cells by the
-    rows per (adapter, expert) cell), with output widths that are not a
-    multiple of the 16-byte vectors, against the reference."""
+    rows per (adapter, expert) cell and the rows' A/B bytes), with output
+    widths that are not a multiple of the 16-byte vectors, against the
+    reference."""
     shape = dict(shape)
-    kw = dict(ranks=shape.pop("ranks", (8, 16)), max_rank=shape.pop("max_rank", 16))
-    case = make_gather_case(rng, dtype=dtype, x_gather=x_gather, k_in=256, n_out=200, **kw,
-                            **shape)
+    kw = dict(ranks=shape.pop("ranks", (8, 16)), max_rank=shape.pop("max_rank", 16),
+              k_in=shape.pop("k_in", 256), n_out=shape.pop("n_out", 200))
+    case = make_gather_case(rng, dtype=dtype, x_gather=x_gather, **kw, **shape)
     _check(case, case.run(impl), impl)
