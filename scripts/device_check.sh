@@ -10,9 +10,10 @@
 # -d .whl` here first); without it that kernel is not built.
 #   env: STEPS="build readme bench bench2 gemm timing suite soak fuzz memcheck racecheck initcheck synccheck sanall ncu scaling"
 #        (soak: the 10,000-step soak with its counts printed; fuzz: the GPU
-#        differential fuzzing with FUZZ examples per test, default 500; sanall:
-#        SANALL_TOOLS, default "memcheck racecheck initcheck synccheck", over the
-#        whole GPU-marked suite)
+#        differential fuzzing with FUZZ examples per test, default 100, on FUZZ_N
+#        workers within FUZZ_S seconds; sanall: SANALL_TOOLS, default "memcheck
+#        racecheck initcheck synccheck", over the whole GPU-marked suite on
+#        SANALL_N xdist workers, SANALL_S seconds per tool)
 #        (readme: the README's GPU command without its download step, which
 #        builds the kernels and runs the demo on the GPU; it replaces build)
 #        BENCH="<bench args>"  BENCH2="<a second bench>"  TESTS="<pytest args of the suite step>"
@@ -89,12 +90,15 @@ if has soak; then
   step soak; timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_soak.py > "$R/soak.log" 2>&1; step "soak rc=$?"
 fi
 if has fuzz; then
-  step fuzz; MOELORA_FUZZ_EXAMPLES=${FUZZ:-500} timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_differential.py > "$R/fuzz.log" 2>&1; step "fuzz rc=$?"
+  step fuzz; MOELORA_FUZZ_EXAMPLES=${FUZZ:-100} timeout "${FUZZ_S:-300}" python3 -m pytest -q -p no:cacheprovider \
+    -n "${FUZZ_N:-8}" tests/test_differential.py > "$R/fuzz.log" 2>&1; step "fuzz rc=$?"
 fi
 if has sanall; then  # every GPU-marked test under each tool
   for tool in ${SANALL_TOOLS:-memcheck racecheck initcheck synccheck}; do
+    # the tool follows the xdist workers (child processes are tracked by default)
     step "sanall $tool"; timeout "${SANALL_S:-240}" compute-sanitizer --tool "$tool" --print-limit 20 \
-      python3 -m pytest -q -p no:cacheprovider -m gpu > "$R/sanall_$tool.log" 2>&1; step "sanall $tool rc=$?"
+      --target-processes all python3 -m pytest -q -p no:cacheprovider -n "${SANALL_N:-4}" -m gpu \
+      > "$R/sanall_$tool.log" 2>&1; step "sanall $tool rc=$?"
   done
 fi
 has memcheck && san memcheck 150

@@ -474,6 +474,26 @@ def test_fast_runs_the_cutlass_kernel(rng):
 
 
 @GPU
+def test_kernel_use_follows_the_default_device():
+    """Whether the CUTLASS kernel runs is decided per call: a CPU default-device
+    context on the GPU machine does not use it, and later calls outside the
+    context do again."""
+    from jax_moelora.ops import expert_matmul_ffi
+
+    assert expert_matmul_ffi.kernel_usable()
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert not expert_matmul_ffi.kernel_usable()
+    assert expert_matmul_ffi.kernel_usable()
+
+
+def test_kernel_not_used_off_the_gpu():
+    from jax_moelora.ops import expert_matmul_ffi
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert not expert_matmul_ffi.kernel_usable()
+
+
+@GPU
 @pytest.mark.parametrize("pair", [False, True], ids=["down", "gate_up"])
 def test_fast_model_shapes(pair):
     """Qwen3-30B-A3B-shaped experts (128 experts, K = 2048, N = 768), 4096

@@ -31,11 +31,22 @@ def device_sm_count() -> int:
 
 
 @functools.cache
-def kernel_usable() -> bool:
-    """The CUTLASS kernel was built and the GPU is Hopper (sm_90)."""
-    if not (_ext.HAS_EXPERT_MATMUL and _ext.cuda_available()):
+def _hopper_built_and_present() -> bool:
+    """The CUTLASS kernel was built and the first GPU is Hopper (sm_90)."""
+    if not (_ext.HAS_EXPERT_MATMUL and _ext.HAS_CUDA):
         return False
-    return str(getattr(jax.devices("gpu")[0], "compute_capability", "")) == "9.0"
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return False
+    return bool(gpus) and str(getattr(gpus[0], "compute_capability", "")) == "9.0"
+
+
+def kernel_usable() -> bool:
+    """The CUTLASS kernel was built, the GPU is Hopper (sm_90) and computations
+    go to it now (decided per call: a ``jax.default_device`` CPU context on a
+    GPU machine gets ``False``)."""
+    return _ext.cuda_available() and _hopper_built_and_present()
 
 
 def _absent_route(dtype) -> tuple:
