@@ -576,6 +576,19 @@ def _timed_loop(graphdef, impl: str, use_lora: bool, steps: int) -> Callable:
     return jax.jit(run_steps)
 
 
+def _trace_kernels(console, label: str, fn, state, h, ids, calls: int, folder: Path) -> dict:
+    """GPU kernel time per step of one timed variant (``step_profile``),
+    printed with its top kernels; returns the profile for the JSON."""
+    from jax_moelora.step_profile import kernel_times
+
+    prof = kernel_times(fn, state, h, ids, calls=calls, folder=folder)
+    top = ", ".join(f"{name[:60]} {us:.1f}" for name, us in
+                    list(prof["per_call_us"].items())[:12])
+    console.print(f"[bold]{label}[/]: kernels {prof['total_us']:.1f} µs per step, span "
+                  f"{prof['span_us']:.1f} µs; top (µs per step): {top}")
+    return prof
+
+
 def _run_timing(args, impl: str, console) -> int:
     from rich.table import Table
 
@@ -619,16 +632,9 @@ def _run_timing(args, impl: str, console) -> int:
     console.print(f"LoRA overhead: {100.0 * (lora - base) / base:+.1f} % "
                   f"({_ms(base)} -> {_ms(lora)} per decode step)")
     if args.trace:
-        from jax_moelora.step_profile import kernel_times
-
         for i, (label, _, ids) in enumerate(variants):
-            prof = kernel_times(fns[label], state, h, ids, calls=inner,
-                                folder=args.trace / f"variant{i}")
-            results[label]["kernels"] = prof
-            top = ", ".join(f"{name[:60]} {us:.1f}" for name, us in
-                            list(prof["per_call_us"].items())[:12])
-            console.print(f"[bold]{label}[/]: kernels {prof['total_us']:.1f} µs per step, span "
-                          f"{prof['span_us']:.1f} µs; top (µs per step): {top}")
+            results[label]["kernels"] = _trace_kernels(console, label, fns[label], state, h, ids,
+                                                       inner, args.trace / f"variant{i}")
     if args.json:
         args.json.write_text(json.dumps(dict(
             mode="timing", backend=jax.default_backend(), device=_device(), impl=impl,
@@ -741,18 +747,10 @@ def _run_prefill_timing(args, impl: str, console) -> int:
         table.add_row(label, _ms(r["step_s"]), _ms(r["min_s"]), over, speed)
     console.print(table)
     if args.trace:
-        from jax_moelora.step_profile import kernel_times
-
         for i, (label, fn, ids) in enumerate(variants):
-            if label in errors:
-                continue
-            prof = kernel_times(fn, state, h, ids, calls=inner,
-                                folder=args.trace / f"prefill{i}")
-            results[label]["kernels"] = prof
-            top = ", ".join(f"{name[:60]} {us:.1f}" for name, us in
-                            list(prof["per_call_us"].items())[:12])
-            console.print(f"[bold]{label}[/]: kernels {prof['total_us']:.1f} µs per step, span "
-                          f"{prof['span_us']:.1f} µs; top (µs per step): {top}")
+            if label not in errors:
+                results[label]["kernels"] = _trace_kernels(console, label, fn, state, h, ids,
+                                                           inner, args.trace / f"prefill{i}")
     if args.json:
         args.json.write_text(json.dumps(dict(
             mode="prefill_timing", backend=jax.default_backend(), device=_device(), impl=impl,

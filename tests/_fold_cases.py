@@ -24,6 +24,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
+import textwrap
 from typing import Any
 
 import jax
@@ -503,3 +507,25 @@ def graph_program(seed: int, impl: str, n_layers: int = 4) -> np.ndarray:
         args = to_device((routes, g.operands(), s.operands()))
         gb, sb = jax.jit(program)(*args)
         return np.concatenate([bits(gb).ravel(), bits(sb).ravel()])
+
+
+def run_with_graphs_off(tmp_path, module: str, call: str) -> np.ndarray:
+    """``call`` (an expression of ``graph_program`` imported from the tests'
+    ``module``) evaluated in a subprocess with XLA's command buffers (CUDA
+    graphs) off; its array."""
+    out = str(tmp_path / "off.npy")
+    script = textwrap.dedent(f"""
+        import sys
+        import numpy as np
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from {module} import graph_program
+        np.save({out!r}, {call})
+    """)
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+    # the calling process already holds most of the GPU memory (JAX preallocates)
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return np.load(out)

@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import _block_cases
 import jax_moelora.nnx.block as block_mod
 from jax_moelora import StackedRoute
 from jax_moelora.nnx import AdapterPool, DeepSeekV3, MoEBlock, StackedExpertLoRA
-from jax_moelora.peft import PeftAdapter, ProjectionLoRA
+from jax_moelora.peft import PeftAdapter
 
 E, H, I, K, T, L, R = 8, 32, 16, 2, 24, 3, 8
 FAMILIES = {"qwen3": "qwen3", "gpt-oss": "gpt-oss",
@@ -41,15 +42,7 @@ def make_block(family="qwen3", gather_max_rows=4096, seed=0) -> MoEBlock:
 
 
 def random_adapter(rng, block: MoEBlock, name: str, rank: int) -> PeftAdapter:
-    projs = {}
-    for proj in block.lora.projections:
-        p = block.lora.projection(proj)
-        pairs = {e: (rng.standard_normal((rank, p.k_in)).astype(np.float32) / np.sqrt(p.k_in),
-                     rng.standard_normal((p.n_out, rank)).astype(np.float32) / np.sqrt(rank),
-                     1.5 / rank, f"{proj}.{e}")
-                 for e in range(p.n_experts) if e != 3}  # expert 3 unadapted
-        projs[proj] = ProjectionLoRA.from_pairs(pairs, n_experts=p.n_experts)
-    return PeftAdapter(name=name, path=None, config={}, layers={0: projs})
+    return _block_cases.random_adapter(rng, block, name, rank, alpha=1.5, skip_expert=3)
 
 
 def loaded(family="qwen3", gather_max_rows=4096):

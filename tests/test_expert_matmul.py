@@ -29,7 +29,8 @@ import pytest
 import jax_moelora as ml
 from conftest import HAS_GPU
 from _fold_cases import (DELTA_RTOL, DTYPE_IDS, DTYPES, assert_ulp_close, bits, make_route,
-                         on_platform, random_row_adapter, route_folds, to_device)
+                         on_platform, random_row_adapter, route_folds, run_with_graphs_off,
+                         to_device)
 from jax_moelora.reference import grouped_down_ref, round_to
 
 GPU = pytest.mark.gpu
@@ -547,27 +548,10 @@ def test_fast_in_cuda_graphs_matches_graphs_off(tmp_path):
     """The same program with XLA's command buffers on (default) and off gives
     identical bits, on two routings replayed through one compiled program (the
     handler's problem arrays are rebuilt on the device every call)."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-
     seed = 99
     on = graph_program(seed)
-    script = textwrap.dedent(f"""
-        import sys
-        import numpy as np
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from test_expert_matmul import graph_program
-        np.save({str(tmp_path / "off.npy")!r}, graph_program({seed}))
-    """)
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
-    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    np.testing.assert_array_equal(np.load(tmp_path / "off.npy"), on)
+    off = run_with_graphs_off(tmp_path, "test_expert_matmul", f"graph_program({seed})")
+    np.testing.assert_array_equal(off, on)
     # and the fast program agrees with jnp (three chained layers: 3x the bf16 bound)
     as_bf16 = lambda v: np.asarray(v).view(jnp.bfloat16).astype(np.float64)  # noqa: E731
     assert _rel(as_bf16(on), as_bf16(graph_program(seed, "jnp"))) <= 3 * GEMM_RTOL[

@@ -11,11 +11,7 @@ kernels) carry the ``gpu`` marker; ``cpu`` runs on the CPU on any machine.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-import textwrap
 import zlib
 
 import jax
@@ -26,7 +22,7 @@ import pytest
 from _fold_cases import (DELTA_RTOL, DTYPE_IDS, DTYPES, assert_ulp_close, bits, check_fold,
                          concrete_impl, delta_rel_error, graph_program, is_seed_design,
                          make_gather_case, make_grouped_case, make_route, on_platform,
-                         stack_routes, to_device)
+                         run_with_graphs_off, stack_routes, to_device)
 from conftest import HAS_GPU
 
 GPU = pytest.mark.gpu
@@ -424,21 +420,7 @@ def test_cuda_graphs_on_and_off_give_the_same_bits(tmp_path, impl):
     kCmdBufferCompatible and the program has enough of them in a row.)"""
     seed = 1234
     on = graph_program(seed, impl)
-    script = textwrap.dedent(f"""
-        import sys
-        import numpy as np
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from _fold_cases import graph_program
-        np.save({str(tmp_path / "off.npy")!r}, graph_program({seed}, {impl!r}))
-    """)
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
-    # this process already holds most of the GPU memory (JAX preallocates)
-    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    off = np.load(tmp_path / "off.npy")
+    off = run_with_graphs_off(tmp_path, "_fold_cases", f"graph_program({seed}, {impl!r})")
     np.testing.assert_array_equal(bits(off), bits(on))
 
 

@@ -12,24 +12,13 @@ import pytest
 from flax import nnx
 
 from jax_moelora.nnx import AdapterPool, DeepSeekV3, MoEBlock
-from jax_moelora.peft import AdapterFormatError, PeftAdapter, ProjectionLoRA
+from _block_cases import random_adapter
+from jax_moelora.peft import AdapterFormatError, PeftAdapter
 
 E, H, I, K, T = 8, 32, 16, 2, 24
 #: families with router biases (gpt-oss) and shared-expert LoRA (DeepSeek-V3)
 FAMILIES = {"qwen3": "qwen3", "gpt-oss": "gpt-oss",
             "deepseek-v3": DeepSeekV3(n_group=2, topk_group=1, n_shared=1)}
-
-
-def random_adapter(rng, block: MoEBlock, name: str, rank: int) -> PeftAdapter:
-    projs = {}
-    for proj in block.lora.projections:
-        p = block.lora.projection(proj)
-        pairs = {e: (rng.standard_normal((rank, p.k_in)).astype(np.float32) / np.sqrt(p.k_in),
-                     rng.standard_normal((p.n_out, rank)).astype(np.float32) / np.sqrt(rank),
-                     2.0 / rank, f"{proj}.{e}")
-                 for e in range(p.n_experts)}
-        projs[proj] = ProjectionLoRA.from_pairs(pairs, n_experts=p.n_experts)
-    return PeftAdapter(name=name, path=None, config={}, layers={0: projs})
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
