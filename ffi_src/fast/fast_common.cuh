@@ -40,24 +40,7 @@ template <> struct Mma<DType::kF16> {
   }
 };
 
-// ------------------------------------------------------------ loads --------
-
-// 8 consecutive 16-bit elements row[k .. k+8), zeros past K or when !valid.
-// vec: K % 8 == 0 and row 16-byte aligned (then the 8 are all in or all out).
-__device__ __forceinline__ uint4 load8(const uint16_t* row, int64_t k, int64_t K, bool vec,
-                                       bool valid) {
-  uint4 r = make_uint4(0u, 0u, 0u, 0u);
-  if (!valid || k >= K) return r;
-  if (vec) return __ldg(reinterpret_cast<const uint4*>(row + k));
-  uint32_t w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t lo = k + 2 * i < K ? uint32_t(__ldg(row + k + 2 * i)) : 0u;
-    const uint32_t hi = k + 2 * i + 1 < K ? uint32_t(__ldg(row + k + 2 * i + 1)) : 0u;
-    w[i] = lo | (hi << 16);
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
+// ------------------------------------------------ conversions, copies --------
 
 template <DType D>
 __device__ __forceinline__ float h2f(uint16_t h) {
@@ -73,10 +56,6 @@ __device__ __forceinline__ uint16_t f2h(float f) {
   uint16_t h;
   memcpy(&h, &v, 2);
   return h;
-}
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 // 16-byte asynchronous copy global -> shared (zero-filled when !valid; src
@@ -188,7 +167,6 @@ struct GroupedParams {
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 inline bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
-inline bool aligned4(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 3u) == 0; }
 
 inline int sm_count() {
   static int n = [] {
@@ -219,29 +197,6 @@ inline cudaError_t ensure_smem(const void* kernel, int smem_bytes) {
   }
   return cudaSuccess;
 }
-
-template <class Params>
-inline cudaError_t launch(void (*kernel)(Params), const Params& prm, int64_t n_ctas, int C, int threads,
-                   int smem_bytes, cudaStream_t stream) {
-  if (n_ctas <= 0) return cudaSuccess;
-  if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(kernel), smem_bytes);
-      err != cudaSuccess)
-    return err;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(n_ctas), 1, 1);
-  cfg.blockDim = dim3(unsigned(threads), 1, 1);
-  cfg.dynamicSmemBytes = size_t(smem_bytes);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(C);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = C > 1 ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, prm);
-}
-
 
 // Launchers of the kernel files (dtype already checked by the dispatchers).
 cudaError_t launch_gather_f32(const GatherArgs& a, cudaStream_t stream);
