@@ -470,16 +470,21 @@ _CELLS_KN = dict(k_in=2048, n_out=1028)
     dict(num_tokens=1, top_k=8, n_experts=64, num_loras=1),     # T = 1
     dict(num_tokens=8, top_k=2, n_experts=64, num_loras=4, ranks=(24, 40), max_rank=40),
     dict(num_tokens=64, top_k=2, n_experts=4, num_loras=2),     # few rows, 16 per cell: rows
+    dict(num_tokens=171, top_k=3, n_experts=64, num_loras=4),   # 513 rows: 2 a CTA, a tail CTA
+    dict(num_tokens=477, top_k=2, n_experts=64, num_loras=4),   # 954 rows: 4 a CTA, a tail CTA
+    dict(num_tokens=150, top_k=3, n_experts=64, num_loras=4, ranks=(24, 40), max_rank=40),
     dict(num_tokens=512, top_k=2, n_experts=4, num_loras=2, **_CELLS_KN),  # cells kernel
     dict(num_tokens=160, top_k=4, n_experts=8, num_loras=3, ranks=(24, 40), max_rank=48,
          **_CELLS_KN),
-], ids=["rows", "rows-T1", "rows-R40", "rows-L2-small", "cells", "cells-R48"])
+], ids=["rows", "rows-T1", "rows-R40", "rows-L2-small", "rows-2", "rows-4", "rows-2-R40", "cells",
+        "cells-R48"])
 @pytest.mark.parametrize("x_gather", [0, 1])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("impl", [pytest.param("fast", marks=GPU)])
 def test_fast_gather_kernels_match_reference(rng, impl, dtype, x_gather, shape):
     """Both fast decode kernels (launch_gather_fast picks rows or cells by the
-    rows per (adapter, expert) cell and the rows' A/B bytes), with output
+    rows per (adapter, expert) cell and the rows' A/B bytes; the rows kernel
+    gives a CTA 1, 2 or 4 rows by the number of rows), with output
     widths that are not a multiple of the 16-byte vectors, against the
     reference."""
     shape = dict(shape)

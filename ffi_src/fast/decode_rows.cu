@@ -66,18 +66,14 @@ struct ExpandOps {
   }
 };
 
+// One row of a CTA: pair already resolved (metadata() below).
 template <DType D, int RB>
-__global__ void __launch_bounds__(kRowThreads) gather_rows_kernel(const GatherArgs a,
-                                                                  int64_t chunk_w, bool nvec) {
+__device__ __forceinline__ void fold_row(const GatherArgs& a, int64_t row, const Pair& pair,
+                                         int64_t chunk_w, bool nvec,
+                                         float (&s_part)[kRowWarps][8 * RB],
+                                         float (&s_xa)[8 * RB]) {
   constexpr int R = 8 * RB;
   constexpr int RP = R % 16 == 0 ? 16 : 8;  // ranks per shrink pass
-  __shared__ float s_part[kRowWarps][R];
-  __shared__ float s_xa[R];
-  const int64_t row = blockIdx.x;
-  int l, e;
-  if (!gather_row_cell(a, row, &l, &e)) return;  // uniform over the CTA
-  Pair pair;
-  if (!resolve_pair(a.route, l, e, &pair)) return;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int64_t K = a.K, N = a.N;
   uint16_t* orow = static_cast<uint16_t*>(a.out) + row * N;
@@ -156,25 +152,63 @@ __global__ void __launch_bounds__(kRowThreads) gather_rows_kernel(const GatherAr
   }
 }
 
+// CTA x owns rows [x * RPC, x * RPC + RPC): their routing is resolved first,
+// one thread a row (two round trips for all of them), then the rows are
+// folded one after the other. MINB: CTAs per SM the registers must allow.
+template <DType D, int RB, int RPC, int MINB>
+__global__ void __launch_bounds__(kRowThreads, MINB) gather_rows_kernel(const GatherArgs a,
+                                                                        int64_t chunk_w, bool nvec) {
+  __shared__ float s_part[kRowWarps][8 * RB];
+  __shared__ float s_xa[8 * RB];
+  __shared__ Pair s_pair[RPC];
+  __shared__ int s_ok[RPC];
+  const int64_t row0 = int64_t(blockIdx.x) * RPC;
+  if (threadIdx.x < RPC) {
+    const int64_t row = row0 + threadIdx.x;
+    int l, e;
+    Pair pair{0, 0, 0.f};
+    const bool ok = row < a.n_slots && gather_row_cell(a, row, &l, &e) &&
+                    resolve_pair(a.route, l, e, &pair);
+    s_pair[threadIdx.x] = pair;
+    s_ok[threadIdx.x] = ok;
+  }
+  __syncthreads();
+#pragma unroll 1
+  for (int j = 0; j < RPC; ++j)
+    if (s_ok[j]) fold_row<D, RB>(a, row0 + j, s_pair[j], chunk_w, nvec, s_part, s_xa);
+}
+
+// CTAs per SM a rank's kernel is compiled for (its register budget, 128 a
+// thread for two): two up to rank 32, one above (ranks 40-64 need more than
+// 128 registers to keep their loads in flight without spilling). Measured on
+// the H200 (docs/perf_log.md): three CTAs (80 registers) spill and are slower
+// at rank 16; two instead of one take rank 32 from 87 to 54 µs at T = 64.
+constexpr int rows_min_blocks(int RB) { return RB <= 4 ? 2 : 1; }
+
 template <DType D, int RB>
-cudaError_t rows_rb(const GatherArgs& a, dim3 grid, int64_t chunk_w, bool nvec,
+cudaError_t rows_rb(const GatherArgs& a, dim3 grid, int rpc, int64_t chunk_w, bool nvec,
                     cudaStream_t stream) {
-  gather_rows_kernel<D, RB><<<grid, kRowThreads, 0, stream>>>(a, chunk_w, nvec);
+  constexpr int MB = rows_min_blocks(RB);
+  switch (rpc) {
+    case 1: gather_rows_kernel<D, RB, 1, MB><<<grid, kRowThreads, 0, stream>>>(a, chunk_w, nvec); break;
+    case 2: gather_rows_kernel<D, RB, 2, MB><<<grid, kRowThreads, 0, stream>>>(a, chunk_w, nvec); break;
+    default: gather_rows_kernel<D, RB, 4, MB><<<grid, kRowThreads, 0, stream>>>(a, chunk_w, nvec); break;
+  }
   return cudaPeekAtLastError();
 }
 
 template <DType D>
-cudaError_t rows_dtype(const GatherArgs& a, dim3 grid, int64_t chunk_w, bool nvec,
+cudaError_t rows_dtype(const GatherArgs& a, dim3 grid, int rpc, int64_t chunk_w, bool nvec,
                        cudaStream_t stream) {
   switch (a.R / 8) {
-    case 1: return rows_rb<D, 1>(a, grid, chunk_w, nvec, stream);
-    case 2: return rows_rb<D, 2>(a, grid, chunk_w, nvec, stream);
-    case 3: return rows_rb<D, 3>(a, grid, chunk_w, nvec, stream);
-    case 4: return rows_rb<D, 4>(a, grid, chunk_w, nvec, stream);
-    case 5: return rows_rb<D, 5>(a, grid, chunk_w, nvec, stream);
-    case 6: return rows_rb<D, 6>(a, grid, chunk_w, nvec, stream);
-    case 7: return rows_rb<D, 7>(a, grid, chunk_w, nvec, stream);
-    case 8: return rows_rb<D, 8>(a, grid, chunk_w, nvec, stream);
+    case 1: return rows_rb<D, 1>(a, grid, rpc, chunk_w, nvec, stream);
+    case 2: return rows_rb<D, 2>(a, grid, rpc, chunk_w, nvec, stream);
+    case 3: return rows_rb<D, 3>(a, grid, rpc, chunk_w, nvec, stream);
+    case 4: return rows_rb<D, 4>(a, grid, rpc, chunk_w, nvec, stream);
+    case 5: return rows_rb<D, 5>(a, grid, rpc, chunk_w, nvec, stream);
+    case 6: return rows_rb<D, 6>(a, grid, rpc, chunk_w, nvec, stream);
+    case 7: return rows_rb<D, 7>(a, grid, rpc, chunk_w, nvec, stream);
+    case 8: return rows_rb<D, 8>(a, grid, rpc, chunk_w, nvec, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -196,9 +230,17 @@ cudaError_t launch_gather_rows(const GatherArgs& a, cudaStream_t stream) {
   const int64_t chunk_w = (quads + chunks0 - 1) / chunks0 * kRowCols;
   const int64_t chunks = (a.N + chunk_w - 1) / chunk_w;
   const bool nvec = a.N % kRowCols == 0 && aligned8(a.out);
-  const dim3 grid(unsigned(a.n_slots), unsigned(chunks), 1);
-  return a.dtype == DType::kBf16 ? rows_dtype<DType::kBf16>(a, grid, chunk_w, nvec, stream)
-                                 : rows_dtype<DType::kF16>(a, grid, chunk_w, nvec, stream);
+  // Rows per CTA: the most of 4, 2, 1 that still leaves 90 % of a wave of
+  // resident CTAs, so that a CTA resolves the routing of several rows at
+  // once and runs them back to back without emptying SMs (Qwen3 gate+up
+  // stacked, T = 64, 4 adapters: 1024 rows, 4 a CTA, 30.7 -> 27.2 µs; 512
+  // rows, 2 a CTA: 14.4 -> 12.9 µs).
+  const int64_t resident = int64_t(sm_count()) * rows_min_blocks(int(a.R / 8));
+  int rpc = 4;
+  while (rpc > 1 && (chunks > 1 || 10 * a.n_slots < 9 * resident * rpc)) rpc /= 2;
+  const dim3 grid(unsigned((a.n_slots + rpc - 1) / rpc), unsigned(chunks), 1);
+  return a.dtype == DType::kBf16 ? rows_dtype<DType::kBf16>(a, grid, rpc, chunk_w, nvec, stream)
+                                 : rows_dtype<DType::kF16>(a, grid, rpc, chunk_w, nvec, stream);
 }
 
 }  // namespace fast
