@@ -66,6 +66,14 @@ def split_stacked(fold):
     return call
 
 
+def split_token_projections(x, bases, topk_ids, route, row_adapter=None, *, impl, **kw):
+    """``fold_token_projections`` as one gather fold per projection."""
+    return tuple(block_mod.moe_lora_gather_bgmv(x, b, topk_ids.reshape(-1), route.route(s),
+                                                row_adapter, top_k=topk_ids.shape[1], x_gather=1,
+                                                impl=impl, **kw)
+                 for s, b in enumerate(bases))
+
+
 def run(block, x, ids, impl):
     graphdef, state = nnx.split(block)
     return np.asarray(jax.jit(lambda s, x, i: nnx.merge(graphdef, s)(x, i, impl=impl))(
@@ -82,6 +90,7 @@ def test_stacked_gate_up_has_the_bits_of_separate_folds(monkeypatch, impl, famil
         monkeypatch.setattr(block_mod, "fold_planned", split_stacked(block_mod.fold_planned))
         monkeypatch.setattr(block_mod, "moe_lora_gather_bgmv",
                             split_stacked(block_mod.moe_lora_gather_bgmv))
+        monkeypatch.setattr(block_mod, "fold_token_projections", split_token_projections)
         want = run(block, x, ids, impl)
         base = run(block, x, None, impl)
     np.testing.assert_array_equal(got, want)
@@ -134,6 +143,7 @@ def test_separate_folds_lower_to_one_more_call():
     are two calls."""
     with cpu(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(block_mod, "fold_planned", split_stacked(block_mod.fold_planned))
+        mp.setattr(block_mod, "fold_token_projections", split_token_projections)
         block, _, x, ids = loaded()
         graphdef, state = nnx.split(block)
         text = jax.jit(lambda s, x, i: nnx.merge(graphdef, s)(x, i, impl="cpu")).lower(

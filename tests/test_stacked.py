@@ -18,6 +18,7 @@ from _fold_cases import (DTYPE_IDS, DTYPES, make_gather_case, make_route, on_pla
                          to_device)
 from jax_moelora import (StackedRoute, backends, moe_lora_fold, moe_lora_gather_bgmv,
                          moe_lora_grouped_down, sort_rows_by_expert, stack_routes)
+from jax_moelora.ops.folds import fold_token_projections
 
 IMPLS = backends()["impls"]
 S = 2
@@ -60,6 +61,54 @@ def test_stacked_gather_equals_single_folds(impl, dtype, x_gather):
         if impl != "jnp":
             text = str(jax.make_jaxpr(fold)(jnp.asarray(bases), stacked))
             assert text.count("ffi_call") == 1
+
+
+@pytest.mark.parametrize("ids_dtype", ["int32", "uint32"])
+@pytest.mark.parametrize("with_map", [True, False], ids=["map", "nomap"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_token_projections_equal_single_folds(impl, dtype, with_map, ids_dtype):
+    """fold_token_projections (the block's decode gate+up: rows interleaved
+    per token, one launch, x read in place) gives each projection the bits
+    of its own fold, expert ids outside the table included (skipped)."""
+    rng = np.random.default_rng(13)
+    case, routes, bases = _stacked_case(rng, dtype, 3, 1)
+    topk = case.ids["indices"].reshape(24, 4).astype(np.int64)
+    e_t = routes[0].a_table.shape[-1]
+    topk[0, 0], topk[1, 1], topk[2, 2], topk[3, 3] = -1, e_t, e_t + 7, 2**31 - 1
+    if ids_dtype == "uint32":
+        topk[0, 0] = 2**32 - 1
+    topk = topk.astype(ids_dtype)
+    with on_platform(impl):
+        x, ids = to_device((case.x, topk))
+        ra = to_device(case.row_adapter) if with_map else None
+        rs = [to_device(r) for r in routes]
+        bs = tuple(jnp.asarray(b) for b in bases)
+        fold = lambda b, r: fold_token_projections(x, b, ids, r, ra, impl=impl)  # noqa: E731
+        got = jax.jit(fold)(bs, stack_routes(*rs))
+        for s in range(S):
+            want = moe_lora_gather_bgmv(x, bs[s], ids.reshape(-1), rs[s], ra, top_k=4,
+                                        x_gather=1, impl=impl)
+            _check(got[s], want, impl)
+        if impl != "jnp":
+            text = str(jax.make_jaxpr(fold)(bs, stack_routes(*rs)))
+            assert text.count("ffi_call") == 1
+
+
+def test_token_projections_check_their_arguments():
+    rng = np.random.default_rng(14)
+    case, routes, bases = _stacked_case(rng, jnp.float32, 2, 1)
+    topk = jnp.asarray(case.ids["indices"].reshape(24, 4))
+    x, stacked = jnp.asarray(case.x), stack_routes(*routes)
+    bs = tuple(jnp.asarray(b) for b in bases)
+    with pytest.raises(TypeError, match="StackedRoute"):
+        fold_token_projections(x, bs, topk, routes[0])
+    with pytest.raises(ValueError, match="2 routes"):
+        fold_token_projections(x, bs[:1], topk, stacked)
+    with pytest.raises(ValueError, match=r"bases\[1\]"):
+        fold_token_projections(x, (bs[0], bs[1][:-4]), topk, stacked)
+    with pytest.raises(ValueError, match="topk_ids"):
+        fold_token_projections(x, bs, topk.reshape(-1), stacked)
 
 
 @pytest.mark.parametrize("gather_max_rows", [0, 4096], ids=["sorted", "gather"])

@@ -10,8 +10,10 @@ fold for prefill), computed once per call and shared by the expert folds.
 
 Folds per call with LoRA: the router's (one gather fold), gate and up
 together (one fold of their ``StackedRoute``, ``MoELoRA.gate_up``: they read
-the same rows, so one launch folds both), down (one fold); with shared
-experts, shared gate and up together and shared down (one gather fold each).
+the same rows, so one launch folds both; on flat rows
+``fold_token_projections`` interleaves them per token and reads ``x`` in
+place), down (one fold); with shared experts, shared gate and up together and
+shared down (one gather fold each).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from jax_moelora.nnx.routers import Router
 from jax_moelora.ops.folds import (
     GATHER_MAX_ROWS,
     fold_planned,
+    fold_token_projections,
     moe_lora_gather_bgmv,
     plan_rows,
 )
@@ -51,13 +54,23 @@ Array = jax.Array
 ExpertPathOption = Literal["auto", "dense", "ragged"]
 
 
-def _fold_dense(x: Array, base: Array, route: MoeExpertRoute | StackedRoute,
-                adapter_ids: Array, impl: str) -> Array:
-    """A one-entry route (router, shared experts) folded over tokens ``[T, .]``
-    (``base [S, T, .]`` for a ``StackedRoute``)."""
+def _fold_dense(x: Array, base: Array, route: MoeExpertRoute, adapter_ids: Array,
+                impl: str) -> Array:
+    """A one-entry route (router, shared down) folded over tokens ``[T, .]``."""
     zeros = jnp.zeros((x.shape[0],), jnp.int32)
     return moe_lora_gather_bgmv(x, base, zeros, route, adapter_ids, top_k=1, x_gather=0,
                                 impl=impl)
+
+
+def _fold_gate_up(x: Array, g: Array, u: Array, plan, route: StackedRoute,
+                  adapter_ids: Array, impl: str) -> tuple[Array, Array]:
+    """Gate and up of the rows of ``plan`` folded in one launch: on flat rows,
+    interleaved per token (``fold_token_projections``, no copy of ``x``); on
+    sorted rows, stacked ``[2, rows, I]`` (the grouped fold's batching rule)."""
+    if plan.grouped:
+        gu = fold_planned(x, jnp.stack([g, u]), plan, route, adapter_ids, x_gather=1, impl=impl)
+        return gu[0], gu[1]
+    return fold_token_projections(x, (g, u), plan.topk_ids, route, adapter_ids, impl=impl)
 
 
 class MoEBlock(nnx.Module):
@@ -204,9 +217,7 @@ class MoEBlock(nnx.Module):
                                self.expert_gemm)
         g, u = self.experts.first(x, rows)
         if routes is not None:  # gate and up: one fold of their stacked route
-            gu = fold_planned(x, jnp.stack([g, u]), plan, routes.gate_up, adapter_ids,
-                              x_gather=1, impl=impl)
-            g, u = gu[0], gu[1]
+            g, u = _fold_gate_up(x, g, u, plan, routes.gate_up, adapter_ids, impl)
         h = self.experts.activation(g, u)
         d = self.experts.down(h, rows)
         if routes is not None:
@@ -220,8 +231,9 @@ class MoEBlock(nnx.Module):
         mlp = self.shared_experts
         g, u = mlp.first(x)
         if routes is not None:  # shared gate and up: one fold of their stacked route
-            gu = _fold_dense(x, jnp.stack([g, u]), routes.shared_gate_up, adapter_ids, impl)
-            g, u = gu[0], gu[1]
+            zeros = jnp.zeros((x.shape[0], 1), jnp.int32)
+            g, u = fold_token_projections(x, (g, u), zeros, routes.shared_gate_up, adapter_ids,
+                                          impl=impl)
         h = mlp.activation(g, u)
         d = mlp.down(h)
         if routes is not None:

@@ -39,7 +39,8 @@ from jax_moelora.ops import ffi_fold, jnp_fold
 from jax_moelora.ops.contract import offsets_well_formed
 from jax_moelora.tables import MoeExpertRoute
 
-__all__ = ["GatherCfg", "GroupedCfg", "gather_op", "grouped_op", "match_varying", "varying_axes"]
+__all__ = ["GatherCfg", "GroupedCfg", "gather_op", "grouped_op", "match_varying", "varying_axes",
+           "virtual_route"]
 
 
 class GatherCfg(NamedTuple):
@@ -174,6 +175,17 @@ def _virtual_route(route: MoeExpertRoute, batched: MoeExpertRoute, size: int,
         table(route.b_table, batched.b_table, True),
         table(route.scale_table, batched.scale_table, False),
     ])
+
+
+def virtual_route(route) -> MoeExpertRoute:
+    """A ``StackedRoute`` of ``S`` projections as one ``MoeExpertRoute`` of
+    virtual experts: tables ``[L, S * E_t]`` (column ``s * E_t + e`` is
+    projection ``s``'s expert ``e``), pools ``[S * P, ...]`` with projection
+    ``s``'s slots offset by ``s * P``."""
+    leaves = [getattr(route, n) for n in MoeExpertRoute.__slots__]
+    return _virtual_route(MoeExpertRoute.tree_unflatten(None, leaves),
+                          MoeExpertRoute.tree_unflatten(None, [True] * len(leaves)),
+                          route.num_routes, route.n_experts)
 
 
 @functools.cache

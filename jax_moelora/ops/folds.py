@@ -29,12 +29,13 @@ import numpy as np
 from jax_moelora import _ext
 from jax_moelora.int_range import check_rows
 from jax_moelora.ops import autodiff, contract
+from jax_moelora.ops.batching import virtual_route
 from jax_moelora.ops.stacked import StackedRoute, fold_stacked
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["moe_lora_gather_bgmv", "moe_lora_grouped_down", "moe_lora_fold", "resolve_impl",
            "IMPLS", "GATHER_MAX_ROWS", "RowPlan", "plan_rows", "fold_planned",
-           "sort_rows_by_expert"]
+           "sort_rows_by_expert", "fold_token_projections"]
 
 Impl = Literal["auto", "fast", "seed", "cpu", "jnp"]
 IMPLS = ("auto", "fast", "seed", "cpu", "jnp")
@@ -196,6 +197,67 @@ def moe_lora_gather_bgmv(x: jax.Array, base_out: jax.Array, indices: jax.Array,
         contract.check_gather_metadata(fn, route)
     return autodiff.gather_bgmv(x, base_out, indices, route, row_adapter, top_k=top_k,
                                 x_gather=x_gather, impl=impl)
+
+
+def fold_token_projections(x: jax.Array, bases: tuple[jax.Array, ...], topk_ids: jax.Array,
+                           route: StackedRoute, row_adapter: jax.Array | None = None, *,
+                           impl: Impl = "auto", validate: bool = False) -> tuple[jax.Array, ...]:
+    """Fold ``S`` projections that read the same tokens (gate and up) in one
+    gather fold, without copying ``x``.
+
+    The rows of the ``S`` projections are interleaved per token, ``(t, s, k)``
+    (one stacking of ``bases``, as ``jnp.stack`` would make), so that row ``r``
+    still reads token ``r // (S * top_k)``; projection ``s``'s expert ``e`` is
+    the virtual expert ``s * E_t + e`` of one route (``ops/batching.py``'s
+    virtual experts). Bit-identical to :func:`moe_lora_gather_bgmv` with the
+    ``StackedRoute`` and ``base_out`` stacked ``[S, T * top_k, n_out]``, which
+    ``jax.vmap``s over ``S`` and so reads ``x`` broadcast to ``[S, T, k_in]``.
+
+    Args:
+      x: ``[T, k_in]`` tokens.
+      bases: ``S`` arrays ``[T * top_k, n_out]``, flat token-major rows.
+      topk_ids: int32 (or uint32) ``[T, top_k]`` expert ids.
+      route: the ``S`` projections' ``StackedRoute``.
+      row_adapter, impl, validate: as for :func:`moe_lora_gather_bgmv`.
+
+    Returns:
+      ``S`` arrays ``[T * top_k, n_out]``: each base with its projection folded.
+    """
+    fn = "fold_token_projections"
+    if not isinstance(route, StackedRoute):
+        raise TypeError(f"{fn}: route must be a StackedRoute, got {type(route).__name__}")
+    S = route.num_routes
+    bases = tuple(bases)
+    if len(bases) != S:
+        raise ValueError(f"{fn}: {len(bases)} bases for a StackedRoute of {S} routes")
+    ts = _shape("topk_ids", topk_ids)
+    if len(ts) != 2 or ts[1] < 1:
+        raise ValueError(f"{fn}: topk_ids must be [T, top_k], got shape {ts}")
+    _int_array("topk_ids", topk_ids, ndim=2, allow_uint32=True)
+    t, k = ts
+    for i, b in enumerate(bases):
+        bs = _shape(f"bases[{i}]", b)
+        if len(bs) != 2 or bs[0] != t * k or bs != _shape("bases[0]", bases[0]) \
+                or b.dtype != bases[0].dtype:
+            raise ValueError(f"{fn}: bases[{i}] is {b.dtype}{list(bs)}; every base must be "
+                             f"[T * top_k, n_out] = [{t * k}, n_out] of one shape and dtype")
+    if _check_validate(fn, validate):
+        for s in range(S):
+            contract.check_gather_metadata(fn, route.route(s))
+    E = route.n_experts
+    ids = topk_ids
+    if jnp.dtype(ids.dtype) == jnp.uint32:
+        ids = jax.lax.bitcast_convert_type(ids, jnp.int32)
+    ids = ids.astype(jnp.int32)[:, None, :]                                    # [T, 1, k]
+    shift = (jnp.arange(S, dtype=jnp.int32) * E)[None, :, None]               # [1, S, 1]
+    ids = jnp.where((ids >= 0) & (ids < E), ids + shift, -1)                  # [T, S, k]
+    n = bases[0].shape[-1]
+    base = jnp.stack([b.reshape(t, k, n) for b in bases], axis=1)             # [T, S, k, N]
+    out = moe_lora_gather_bgmv(x, base.reshape(t * S * k, n), ids.reshape(-1),
+                               virtual_route(route), row_adapter, top_k=S * k, x_gather=1,
+                               impl=impl)
+    out = out.reshape(t, S, k, n)
+    return tuple(out[:, s].reshape(t * k, n) for s in range(S))
 
 
 def moe_lora_grouped_down(x: jax.Array, base_out: jax.Array, expert_offsets: jax.Array,
