@@ -22,7 +22,30 @@ def _has_gpu() -> bool:
 HAS_GPU = _has_gpu()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run only every N-th collected test, starting at the I-th (0 <= I < N): "
+                          "N such processes run the suite once between them (the sanitizer runs of "
+                          "scripts/device_check.sh, one compute-sanitizer process per shard)")
+
+
+def _shard(config, items):
+    spec = config.getoption("--shard")
+    if spec is None:
+        return
+    try:
+        i, n = (int(v) for v in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard must be I/N with integers, got {spec!r}") from None
+    if not 0 <= i < n:
+        raise pytest.UsageError(f"--shard {spec}: need 0 <= I < N")
+    keep = [item for j, item in enumerate(items) if j % n == i]
+    config.hook.pytest_deselected(items=[item for j, item in enumerate(items) if j % n != i])
+    items[:] = keep
+
+
 def pytest_collection_modifyitems(config, items):
+    _shard(config, items)
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and the CUDA kernels")
