@@ -58,7 +58,7 @@ from jax_moelora.nnx import (
     Qwen3MoE,
 )
 from jax_moelora.nnx.experts import EXPERT_GEMMS, grouped_gemm_runs_kernel
-from jax_moelora.ops.folds import IMPLS, resolve_impl
+from jax_moelora.ops.folds import GATHER_MAX_ROWS, IMPLS, resolve_impl
 from jax_moelora.peft import ProjectionLoRA, load_peft_adapter, save_peft_adapter
 
 __all__ = ["ModelConfig", "DemoModel", "DEMO_FAMILIES", "SIZES", "TOLERANCES", "add_arguments",
@@ -111,7 +111,8 @@ class DemoModel(nnx.Module):
     a call runs every layer in one traced program."""
 
     def __init__(self, cfg: ModelConfig, *, impl: str = "auto", expert_path: str = "auto",
-                 expert_gemm: str = "auto", rngs: nnx.Rngs):
+                 expert_gemm: str = "auto", gather_max_rows: int = GATHER_MAX_ROWS,
+                 rngs: nnx.Rngs):
         dt = _DTYPES[cfg.dtype]
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab, cfg.hidden, dtype=dt, param_dtype=dt, rngs=rngs)
@@ -121,7 +122,7 @@ class DemoModel(nnx.Module):
             MoEBlock(cfg.hidden, cfg.inter, cfg.experts, cfg.top_k,
                      family=DEMO_FAMILIES[cfg.family], max_loras=cfg.max_loras,
                      max_rank=cfg.max_rank, dtype=dt, impl=impl, expert_path=expert_path,
-                     expert_gemm=expert_gemm, rngs=rngs)
+                     expert_gemm=expert_gemm, gather_max_rows=gather_max_rows, rngs=rngs)
             for _ in range(cfg.layers)])
         self.final_norm = nnx.RMSNorm(cfg.hidden, dtype=dt, param_dtype=dt, rngs=rngs)
 
@@ -174,6 +175,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-gemm", choices=EXPERT_GEMMS, default="auto",
                         help="grouped GEMM of the ragged path (see MoEBlock; --prefill times "
                              "ragged_dot and expert_matmul)")
+    parser.add_argument("--gather-max-rows", type=int, default=GATHER_MAX_ROWS,
+                        help="batches of at most this many T * top_k rows take the gather fold "
+                             "in flat row order, larger ones are sorted by expert (see MoEBlock; "
+                             f"default {GATHER_MAX_ROWS}; 0 sorts every batch)")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank in --timing (16)")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
@@ -432,7 +437,8 @@ def _run_demo(args, impl: str, console) -> int:
     with progress, tempfile.TemporaryDirectory(prefix="jax_moelora_demo_") as tmp:
         task = progress.add_task("build model", total=1)
         model = DemoModel(cfg, impl=impl, expert_path=args.expert_path,
-                          expert_gemm=args.expert_gemm, rngs=nnx.Rngs(args.seed))
+                          expert_gemm=args.expert_gemm, gather_max_rows=args.gather_max_rows,
+                          rngs=nnx.Rngs(args.seed))
         progress.advance(task)
 
         task = progress.add_task("write + load PEFT adapters", total=len(_ADAPTERS))
@@ -602,9 +608,10 @@ def _run_timing(args, impl: str, console) -> int:
                   f"layer (E "
                   f"{cfg.experts}, top_k {cfg.top_k}, hidden {cfg.hidden}, inter {cfg.inter}), "
                   f"T {T}, rank {args.rank}, 4 adapters, {dtype}, impl {impl}, expert path "
-                  f"{args.expert_path} on {_device()}")
+                  f"{args.expert_path}, gather_max_rows {args.gather_max_rows} on {_device()}")
     model = DemoModel(cfg, impl=impl, expert_path=args.expert_path,
-                      expert_gemm=args.expert_gemm, rngs=nnx.Rngs(args.seed))
+                      expert_gemm=args.expert_gemm, gather_max_rows=args.gather_max_rows,
+                      rngs=nnx.Rngs(args.seed))
     _install_random_adapters(model, args.rank, args.seed)
     graphdef, state = nnx.split(model)
     h = jax.random.normal(jax.random.key(args.seed + 3), (T, cfg.hidden), jnp.float32)
@@ -639,7 +646,8 @@ def _run_timing(args, impl: str, console) -> int:
         args.json.write_text(json.dumps(dict(
             mode="timing", backend=jax.default_backend(), device=_device(), impl=impl,
             dtype=dtype, tokens=T, rank=args.rank, config=dataclasses.asdict(cfg),
-            expert_path=args.expert_path, expert_gemm=args.expert_gemm, steps_per_run=inner,
+            expert_path=args.expert_path, expert_gemm=args.expert_gemm,
+            gather_max_rows=args.gather_max_rows, steps_per_run=inner,
             repeats=args.repeats, results=results,
             overhead_percent=100.0 * (lora - base) / base), indent=2))
     return 0
@@ -695,7 +703,8 @@ def _run_prefill_timing(args, impl: str, console) -> int:
                       max_loras=4, max_rank=args.rank)
     inner = args.steps
     rows = T * cfg.top_k
-    model = DemoModel(cfg, impl=impl, expert_path=args.expert_path, rngs=nnx.Rngs(args.seed))
+    model = DemoModel(cfg, impl=impl, expert_path=args.expert_path,
+                      gather_max_rows=args.gather_max_rows, rngs=nnx.Rngs(args.seed))
     block = model.blocks[0]
     grouped = rows > block.gather_max_rows
     dt = _DTYPES[dtype]

@@ -58,6 +58,18 @@ def test_timing_mode_prints_the_overhead(tmp_path, capsys):
     assert isinstance(result["overhead_percent"], float)
 
 
+def test_timing_with_every_batch_sorted(tmp_path, capsys):
+    """``--gather-max-rows 0``: the decode step's blocks sort every batch by
+    expert (grouped folds, the ragged base path)."""
+    out = tmp_path / "timing.json"
+    assert run_demo("--timing", "--size", "small", "--layers", "1", "--tokens", "8",
+                    "--steps", "2", "--repeats", "2", "--gather-max-rows", "0",
+                    "--json", str(out)) == 0
+    assert "gather_max_rows 0" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["gather_max_rows"] == 0 and len(result["results"]) == 3
+
+
 def test_prefill_timing_compares_the_grouped_gemms(tmp_path, capsys):
     """``--timing --prefill``: 520 tokens x top_k 4 = 2080 rows (the grouped
     path), base and LoRA with ragged_dot and expert_matmul as the GEMM."""
