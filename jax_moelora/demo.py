@@ -595,14 +595,19 @@ def _trace_kernels(console, label: str, fn, state, h, ids, calls: int, folder: P
     return prof
 
 
+def _timing_config(args, *, default_tokens: int) -> tuple[str, int, ModelConfig]:
+    """The timing modes' dtype name, tokens and model config (full size and 4
+    adapters unless asked otherwise)."""
+    dtype = _dtype_name(args)
+    cfg = ModelConfig(**SIZES[args.size or "full"], layers=args.layers, dtype=dtype,
+                      family=args.family, max_loras=4, max_rank=args.rank)
+    return dtype, args.tokens or default_tokens, cfg
+
+
 def _run_timing(args, impl: str, console) -> int:
     from rich.table import Table
 
-    size = args.size or "full"
-    dtype = _dtype_name(args)
-    T = args.tokens or 64
-    cfg = ModelConfig(**SIZES[size], layers=args.layers, dtype=dtype, family=args.family,
-                      max_loras=4, max_rank=args.rank)
+    dtype, T, cfg = _timing_config(args, default_tokens=64)
     inner = args.steps
     console.print(f"[bold]jax_moelora decode timing[/bold]: {cfg.layers} x {cfg.family} MoE "
                   f"layer (E "
@@ -696,11 +701,7 @@ def _run_prefill_timing(args, impl: str, console) -> int:
     is set before each split, the weights are shared)."""
     from rich.table import Table
 
-    size = args.size or "full"
-    dtype = _dtype_name(args)
-    T = args.tokens or 4096
-    cfg = ModelConfig(**SIZES[size], layers=args.layers, dtype=dtype, family=args.family,
-                      max_loras=4, max_rank=args.rank)
+    dtype, T, cfg = _timing_config(args, default_tokens=4096)
     inner = args.steps
     rows = T * cfg.top_k
     model = DemoModel(cfg, impl=impl, expert_path=args.expert_path,

@@ -57,11 +57,6 @@ if has readme; then  # the README's GPU command, its first (download) step skipp
   timeout 400 bash -c "$CMD" >> "$R/readme.log" 2>&1; step "readme rc=$?"
   python3 -m jax_moelora info >> "$R/readme.log" 2>&1
 fi
-san() {  # san TOOL SECONDS: compute-sanitizer TOOL over the sanitizer tests
-  step "$1"; timeout "$2" compute-sanitizer --tool "$1" --print-limit 20 \
-    python3 -m pytest -q -p no:cacheprovider -x -m gpu -k "${SAN_K:-fast and not large}" \
-    ${SAN_FILES:-tests/test_folds.py tests/test_stacked.py} > "$R/$1.log" 2>&1; step "$1 rc=$?"
-}
 if has cmdbuf; then  # the same folds with XLA's command buffers forced around custom calls
   CB="--models qwen --projs gate --tokens 1,64 --ranks 16 --adapters 4 --methods fast --no-check --no-plot"
   CBF=${CMDBUF_FLAGS:---xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1}
@@ -96,10 +91,10 @@ if has fuzz; then
   step fuzz; MOELORA_FUZZ_EXAMPLES=${FUZZ:-100} timeout "${FUZZ_S:-300}" python3 -m pytest -q -p no:cacheprovider \
     -n "${FUZZ_N:-8}" tests/test_differential.py > "$R/fuzz.log" 2>&1; step "fuzz rc=$?"
 fi
-san_shard() {  # san_shard LOG SANITIZER_ARGS... -- PYTEST_ARGS...: one shard under the tool
-  # within SANALL_S seconds; when the tool crashes (SIGSEGV) the running test is
-  # logged as "CRASHED <id>" and the shard resumes without it and the tests done
-  local log=$1; shift; local san=() py=() skip=() end=$(( $(date +%s) + ${SANALL_S:-240} ))
+san_shard() {  # san_shard LOG SECONDS SANITIZER_ARGS... -- PYTEST_ARGS...: GPU-marked tests
+  # under the tool within SECONDS; when the tool crashes (SIGSEGV) the running
+  # test is logged as "CRASHED <id>" and the run resumes without it and the tests done
+  local log=$1 end=$(( $(date +%s) + $2 )); shift 2; local san=() py=() skip=()
   while [ "$1" != -- ]; do san+=("$1"); shift; done; shift; py=("$@")
   while [ "$(date +%s)" -lt "$end" ]; do
     XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout $(( end - $(date +%s) )) \
@@ -111,6 +106,10 @@ san_shard() {  # san_shard LOG SANITIZER_ARGS... -- PYTEST_ARGS...: one shard un
     for t in $(grep -oE '^tests/[^ ]+::[^ ]+ (PASSED|FAILED|SKIPPED|ERROR)' "$log" | cut -d' ' -f1) \
              $(grep -E '^CRASHED ' "$log" | cut -d' ' -f2); do skip+=(--deselect "$t"); done
   done
+}
+san() {  # san TOOL SECONDS: the tool over the sanitizer tests (SAN_FILES, SAN_K)
+  step "$1"; san_shard "$R/$1.log" "$2" --tool "$1" --print-limit 20 -- -x -k "${SAN_K:-fast and not large}" \
+    ${SAN_FILES:-tests/test_folds.py tests/test_stacked.py}; step "$1 done"
 }
 if has sanall; then  # every GPU-marked test under each tool, in SANALL_N shards (one process each)
   # XLA's command buffers are off, so every kernel is a plain launch the tool
@@ -127,7 +126,7 @@ if has sanall; then  # every GPU-marked test under each tool, in SANALL_N shards
     [ -n "${SANALL_KERNELS:-}" ] && opts+=(--kernel-name "regex=$SANALL_KERNELS")
     [ "$tool" = initcheck ] && opts+=(--check-api-memory-access no)
     for i in $(seq 0 $((n - 1))); do
-      san_shard "$R/sanall_${tool}_$i.log" "${opts[@]}" -- --shard "$i/$n" &
+      san_shard "$R/sanall_${tool}_$i.log" "${SANALL_S:-240}" "${opts[@]}" -- --shard "$i/$n" &
     done
     wait; step "sanall $tool: $(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$R"/sanall_"$tool"_*.log | sort | uniq -c | tr -s ' ' | paste -sd';'); \
 $(grep -hE "(passed|failed).* in " "$R"/sanall_"$tool"_*.log | tr -s ' ' | paste -sd';'); \

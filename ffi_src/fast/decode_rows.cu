@@ -66,7 +66,7 @@ struct ExpandOps {
   }
 };
 
-// One row of a CTA: pair already resolved (metadata() below).
+// One row of a CTA, its pair resolved by gather_rows_kernel below.
 template <DType D, int RB>
 __device__ __forceinline__ void fold_row(const GatherArgs& a, int64_t row, const Pair& pair,
                                          int64_t chunk_w, bool nvec,

@@ -40,7 +40,7 @@ from jax_moelora.ops.contract import offsets_well_formed
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["GatherCfg", "GroupedCfg", "gather_op", "grouped_op", "match_varying", "varying_axes",
-           "virtual_route"]
+           "virtual_ids", "virtual_route"]
 
 
 class GatherCfg(NamedTuple):
@@ -177,6 +177,13 @@ def _virtual_route(route: MoeExpertRoute, batched: MoeExpertRoute, size: int,
     ])
 
 
+def virtual_ids(ids: jax.Array, member: jax.Array, n_experts: int) -> jax.Array:
+    """Expert ids ``e`` of member ``member`` (example or projection, broadcast
+    against ``ids``) as virtual experts ``member * n_experts + e``; ids
+    outside ``[0, n_experts)`` become ``-1`` (they fold nothing)."""
+    return jnp.where((ids >= 0) & (ids < n_experts), ids + member * n_experts, -1)
+
+
 def virtual_route(route) -> MoeExpertRoute:
     """A ``StackedRoute`` of ``S`` projections as one ``MoeExpertRoute`` of
     virtual experts: tables ``[L, S * E_t]`` (column ``s * E_t + e`` is
@@ -208,8 +215,7 @@ def gather_op(cfg: GatherCfg):
         ids = _bcast(indices, ib, size)                       # [B, S]
         if any(jax.tree_util.tree_leaves(rb)):
             E = route.a_table.shape[-1]
-            shift = (jnp.arange(size, dtype=jnp.int32) * E)[:, None]
-            ids = jnp.where((ids >= 0) & (ids < E), ids + shift, -1)
+            ids = virtual_ids(ids, jnp.arange(size, dtype=jnp.int32)[:, None], E)
             route = _virtual_route(route, rb, size, E)
         ra = None if row_adapter is None else _flat(_bcast(row_adapter, ab, size))
         out = op(_flat(_bcast(x, xb, size)), _flat(base), _flat(ids), route, ra)

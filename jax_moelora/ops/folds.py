@@ -29,7 +29,7 @@ import numpy as np
 from jax_moelora import _ext
 from jax_moelora.int_range import check_rows
 from jax_moelora.ops import autodiff, contract
-from jax_moelora.ops.batching import virtual_route
+from jax_moelora.ops.batching import virtual_ids, virtual_route
 from jax_moelora.ops.stacked import StackedRoute, fold_stacked
 from jax_moelora.tables import MoeExpertRoute
 
@@ -235,10 +235,10 @@ def fold_token_projections(x: jax.Array, bases: tuple[jax.Array, ...], topk_ids:
         raise ValueError(f"{fn}: topk_ids must be [T, top_k], got shape {ts}")
     _int_array("topk_ids", topk_ids, ndim=2, allow_uint32=True)
     t, k = ts
+    first = _shape("bases[0]", bases[0])
     for i, b in enumerate(bases):
         bs = _shape(f"bases[{i}]", b)
-        if len(bs) != 2 or bs[0] != t * k or bs != _shape("bases[0]", bases[0]) \
-                or b.dtype != bases[0].dtype:
+        if len(bs) != 2 or bs[0] != t * k or bs != first or b.dtype != bases[0].dtype:
             raise ValueError(f"{fn}: bases[{i}] is {b.dtype}{list(bs)}; every base must be "
                              f"[T * top_k, n_out] = [{t * k}, n_out] of one shape and dtype")
     if _check_validate(fn, validate):
@@ -248,9 +248,8 @@ def fold_token_projections(x: jax.Array, bases: tuple[jax.Array, ...], topk_ids:
     ids = topk_ids
     if jnp.dtype(ids.dtype) == jnp.uint32:
         ids = jax.lax.bitcast_convert_type(ids, jnp.int32)
-    ids = ids.astype(jnp.int32)[:, None, :]                                    # [T, 1, k]
-    shift = (jnp.arange(S, dtype=jnp.int32) * E)[None, :, None]               # [1, S, 1]
-    ids = jnp.where((ids >= 0) & (ids < E), ids + shift, -1)                  # [T, S, k]
+    ids = virtual_ids(ids.astype(jnp.int32)[:, None, :],                      # [T, S, k]
+                      jnp.arange(S, dtype=jnp.int32)[None, :, None], E)
     n = bases[0].shape[-1]
     base = jnp.stack([b.reshape(t, k, n) for b in bases], axis=1)             # [T, S, k, N]
     out = moe_lora_gather_bgmv(x, base.reshape(t * S * k, n), ids.reshape(-1),
