@@ -230,14 +230,15 @@ cudaError_t launch_gather_rows(const GatherArgs& a, cudaStream_t stream) {
   const int64_t chunk_w = (quads + chunks0 - 1) / chunks0 * kRowCols;
   const int64_t chunks = (a.N + chunk_w - 1) / chunk_w;
   const bool nvec = a.N % kRowCols == 0 && aligned8(a.out);
-  // Rows per CTA: the most of 4, 2, 1 that still leaves 90 % of a wave of
+  // Rows per CTA: the most of 4, 2, 1 that still leaves 70 % of a wave of
   // resident CTAs, so that a CTA resolves the routing of several rows at
-  // once and runs them back to back without emptying SMs (Qwen3 gate+up
-  // stacked, T = 64, 4 adapters: 1024 rows, 4 a CTA, 30.7 -> 27.2 µs; 512
-  // rows, 2 a CTA: 14.4 -> 12.9 µs).
+  // once and runs them back to back without emptying SMs (H200, 4 adapters:
+  // Qwen3 gate+up stacked T = 64, 1024 rows, 4 a CTA, 30.7 -> 26.6 µs; 512
+  // rows, 2 a CTA: 14.4 -> 12.9 µs; DeepSeek gate T = 64, 384 rows, 2 a CTA:
+  // 16.3 -> 13.9 µs; 256 rows keep 1).
   const int64_t resident = int64_t(sm_count()) * rows_min_blocks(int(a.R / 8));
   int rpc = 4;
-  while (rpc > 1 && (chunks > 1 || 10 * a.n_slots < 9 * resident * rpc)) rpc /= 2;
+  while (rpc > 1 && (chunks > 1 || 10 * a.n_slots < 7 * resident * rpc)) rpc /= 2;
   const dim3 grid(unsigned((a.n_slots + rpc - 1) / rpc), unsigned(chunks), 1);
   return a.dtype == DType::kBf16 ? rows_dtype<DType::kBf16>(a, grid, rpc, chunk_w, nvec, stream)
                                  : rows_dtype<DType::kF16>(a, grid, rpc, chunk_w, nvec, stream);
