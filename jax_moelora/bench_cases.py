@@ -8,7 +8,9 @@ adapted) and put on the device once; the timed programs never see the host.
 
 Decode cases (``tokens <= DECODE_MAX_TOKENS``) use the gather fold on the
 unsorted flat rows; prefill cases use the grouped fold on rows that are
-already sorted by expert (the sort is done here, outside the timed region).
+already sorted by expert and, within an expert, by adapter (the order
+``moe_lora_fold`` and ``MoEBlock`` fold in: ``ops.sort_rows_by_expert``; the
+sort is done here, outside the timed region).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_moelora.ops.folds import sort_rows_by_expert
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = [
@@ -193,7 +196,7 @@ class CaseInputs:
     ``args`` is the pytree every method takes (besides ``base_out``):
     ``x``, ``route``, ``row_adapter`` and, for decode, ``indices``; for
     prefill ``expert_offsets`` and ``sorted_token_ids`` (rows already
-    sorted by expert). ``bytes`` is ``floor_bytes`` of the routing.
+    sorted by expert and adapter). ``bytes`` is ``floor_bytes`` of the routing.
     """
 
     case: Case
@@ -245,11 +248,10 @@ def make_inputs(case: Case, dtype=jnp.bfloat16) -> CaseInputs:
     if case.phase == "decode":
         args["indices"] = jnp.asarray(topk.reshape(-1))
     else:
-        flat = topk.reshape(-1)
-        order = np.argsort(flat, kind="stable").astype(np.int32)
-        offsets = np.searchsorted(flat[order], np.arange(E + 1), side="left").astype(np.int32)
-        args["expert_offsets"] = jnp.asarray(offsets)
-        args["sorted_token_ids"] = jnp.asarray((order // top_k).astype(np.int32))
+        _, offsets, sorted_tok = sort_rows_by_expert(jnp.asarray(topk), E,
+                                                     jnp.asarray(row_adapter), L)
+        args["expert_offsets"] = offsets
+        args["sorted_token_ids"] = sorted_tok
     nbytes = floor_bytes(topk, row_adapter, rank=R, k_in=K, n_out=N, x_gather=case.x_gather,
                          itemsize=jnp.dtype(dtype).itemsize)
     return CaseInputs(case, jax.block_until_ready(base_out), args, nbytes)

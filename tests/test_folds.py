@@ -24,6 +24,7 @@ from _fold_cases import (DELTA_RTOL, DTYPE_IDS, DTYPES, assert_ulp_close, bits, 
                          make_gather_case, make_grouped_case, make_route, on_platform,
                          run_with_graphs_off, stack_routes, to_device)
 from conftest import HAS_GPU
+from jax_moelora.ops import sort_rows_by_expert
 
 GPU = pytest.mark.gpu
 CUDA_IMPLS = [pytest.param("seed", marks=GPU), pytest.param("fast", marks=GPU)]
@@ -459,9 +460,11 @@ def test_fast_grouped_kernels_match_reference(rng, impl, dtype, x_gather, shape)
            ref=case.reference(row_offset=lo, row_end=hi))
 
 
-# launch_gather_fast takes the rows kernel when rows < 2 * min(rows, L * E_t)
-# or rows * R * (K + N) * 2 <= 48 MiB, else the cells kernel: the "cells"
-# shapes are several rows per cell and 100-190 MB of per-row A/B reads.
+# launch_gather_fast takes the rows kernel when the rows' A/B reads, rows * R *
+# (K + N) * 2, are <= 48 MiB, or <= 96 MiB with rows < 2 * min(rows, L * E_t),
+# else the cells kernels: the "cells" shapes are several rows per cell and
+# 100-190 MB of per-row A/B reads. Rows per CTA (H200, 132 SMs): 4 from 740
+# rows (2 CTAs an SM, R <= 32) or 370 (R = 40), 2 from 370 or 185.
 _CELLS_KN = dict(k_in=2048, n_out=1028)
 
 
@@ -472,7 +475,7 @@ _CELLS_KN = dict(k_in=2048, n_out=1028)
     dict(num_tokens=64, top_k=2, n_experts=4, num_loras=2),     # few rows, 16 per cell: rows
     dict(num_tokens=171, top_k=3, n_experts=64, num_loras=4),   # 513 rows: 2 a CTA, a tail CTA
     dict(num_tokens=477, top_k=2, n_experts=64, num_loras=4),   # 954 rows: 4 a CTA, a tail CTA
-    dict(num_tokens=150, top_k=3, n_experts=64, num_loras=4, ranks=(24, 40), max_rank=40),
+    dict(num_tokens=101, top_k=3, n_experts=64, num_loras=4, ranks=(24, 40), max_rank=40),
     dict(num_tokens=512, top_k=2, n_experts=4, num_loras=2, **_CELLS_KN),  # cells kernel
     dict(num_tokens=160, top_k=4, n_experts=8, num_loras=3, ranks=(24, 40), max_rank=48,
          **_CELLS_KN),
@@ -492,3 +495,30 @@ def test_fast_gather_kernels_match_reference(rng, impl, dtype, x_gather, shape):
               k_in=shape.pop("k_in", 256), n_out=shape.pop("n_out", 200))
     case = make_gather_case(rng, dtype=dtype, x_gather=x_gather, **kw, **shape)
     _check(case, case.run(impl), impl)
+
+
+@pytest.mark.parametrize("with_adapters", [False, True])
+def test_sort_rows_by_expert_and_adapter(rng, with_adapters):
+    """Rows sorted by expert keep each expert's span whatever the adapters;
+    with ``row_adapter`` the rows of a span are grouped by slot (slots outside
+    ``[0, L)``, the base model, first), each group in flat order; ids outside
+    ``[0, E)`` land outside every span."""
+    T, k, E, L = 40, 3, 6, 3
+    topk = rng.integers(-2, E + 2, size=(T, k)).astype(np.int32)
+    ra = rng.integers(-2, L + 2, size=T).astype(np.int32)
+    order, offsets, stok = sort_rows_by_expert(jnp.asarray(topk), E,
+                                               jnp.asarray(ra) if with_adapters else None, L)
+    order, offsets, stok = map(np.asarray, (order, offsets, stok))
+    flat = topk.reshape(-1)
+    np.testing.assert_array_equal(np.sort(order), np.arange(T * k))
+    np.testing.assert_array_equal(stok, order // k)
+    want = np.searchsorted(np.sort(flat, kind="stable"), np.arange(E + 1), side="left")
+    np.testing.assert_array_equal(offsets, want)
+    assert (flat[order[:offsets[0]]] < 0).all() and (flat[order[offsets[-1]:]] >= E).all()
+    for e in range(E):
+        rows = order[offsets[e]:offsets[e + 1]]
+        assert (flat[rows] == e).all()
+        slot = ra[rows // k]
+        group = np.where((slot >= 0) & (slot < L), slot + 1, 0) if with_adapters else 0 * slot
+        key = group * (T * k) + rows  # slot group first, then flat order
+        np.testing.assert_array_equal(key, np.sort(key))

@@ -212,7 +212,9 @@ class MoEBlock(nnx.Module):
                routes: MoELoRARoutes | None, impl: str) -> Array:
         """The routed experts' weighted sum ``[T, H]`` (float32) for tokens ``x [T, H]``."""
         t, k = topk_ids.shape
-        plan = plan_rows(topk_ids, self.num_experts, gather_max_rows=self.gather_max_rows)
+        plan = plan_rows(topk_ids, self.num_experts, gather_max_rows=self.gather_max_rows,
+                         row_adapter=adapter_ids if routes is not None else None,
+                         num_adapters=self.lora.max_loras if routes is not None else 0)
         rows = ExpertRows.make(plan, self._path(plan.grouped), self.num_experts,
                                self.expert_gemm)
         g, u = self.experts.first(x, rows)

@@ -341,8 +341,20 @@ def moe_lora_grouped_down(x: jax.Array, base_out: jax.Array, expert_offsets: jax
                                  x_gather=x_gather, impl=impl)
 
 
-def sort_rows_by_expert(topk_ids: jax.Array, n_experts: int):
-    """Stable sort of the flat rows of ``topk_ids [T, top_k]`` by expert id.
+def sort_rows_by_expert(topk_ids: jax.Array, n_experts: int,
+                        row_adapter: jax.Array | None = None, num_adapters: int = 0):
+    """Stable sort of the flat rows of ``topk_ids [T, top_k]`` by expert id
+    and, with ``row_adapter``, by adapter within each expert.
+
+    Args:
+      topk_ids: int32 ``[T, top_k]`` expert ids.
+      n_experts: the experts the offsets cover.
+      row_adapter: optional int ``[T]``, each token's adapter slot. Within an
+        expert the rows are then grouped by slot: rows of slots outside
+        ``[0, num_adapters)`` (the base model) first, then slot 0, 1, ...; so
+        that a tile of the grouped fold holds few (adapter, expert) cells. The
+        experts' spans are the same either way.
+      num_adapters: the adapter slots (the route's ``max_loras``, L).
 
     Returns ``(order, expert_offsets, sorted_token_ids)``: ``order [n_slots]``
     maps sorted row -> flat row; ``expert_offsets`` int32 ``[n_experts + 1]``
@@ -351,10 +363,18 @@ def sort_rows_by_expert(topk_ids: jax.Array, n_experts: int):
     """
     top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1).astype(jnp.int32)
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    sorted_ids = flat[order]
-    offsets = jnp.searchsorted(sorted_ids, jnp.arange(n_experts + 1, dtype=jnp.int32),
-                               side="left").astype(jnp.int32)
+    m = int(num_adapters) + 1  # keys per expert: base rows, then each slot
+    if row_adapter is None or m < 2 or (n_experts + 2) * m >= 2**31:
+        key, bounds = flat, jnp.arange(n_experts + 1, dtype=jnp.int32)
+    else:
+        ra = jnp.asarray(row_adapter).astype(jnp.int32)
+        slot = jnp.where((ra >= 0) & (ra < num_adapters), ra + 1, 0)
+        # ids outside [0, n_experts) keep sorting before or after every span
+        e = jnp.clip(flat, -1, n_experts)
+        key = e * m + jnp.repeat(slot, top_k, total_repeat_length=flat.shape[0])
+        bounds = jnp.arange(n_experts + 1, dtype=jnp.int32) * m
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    offsets = jnp.searchsorted(key[order], bounds, side="left").astype(jnp.int32)
     return order, offsets, order // top_k
 
 
@@ -363,7 +383,8 @@ class RowPlan(NamedTuple):
 
     ``grouped`` (a Python bool) says which fold runs: ``False``, the gather
     fold on flat token-major rows ``t * top_k + k``; ``True``, the grouped
-    fold on rows stably sorted by expert. For a grouped plan ``order
+    fold on rows stably sorted by expert (and by adapter within an expert
+    when the plan was made with the rows' adapters). For a grouped plan ``order
     [n_slots]`` maps sorted row -> flat row, ``inverse`` flat row -> sorted
     row, ``expert_offsets [num_experts + 1]`` and ``sorted_token_ids
     [n_slots]`` are ``sort_rows_by_expert``'s; for a gather plan they are
@@ -396,17 +417,20 @@ class RowPlan(NamedTuple):
 
 
 def plan_rows(topk_ids: jax.Array, num_experts: int, *,
-              gather_max_rows: int = GATHER_MAX_ROWS) -> RowPlan:
+              gather_max_rows: int = GATHER_MAX_ROWS, row_adapter: jax.Array | None = None,
+              num_adapters: int = 0) -> RowPlan:
     """The plan ``moe_lora_fold`` uses for ``topk_ids`` (int32 ``[T, top_k]``).
 
     Batches of at most ``gather_max_rows`` flat rows keep flat order (gather
-    fold); larger ones are sorted by expert over ``num_experts`` experts
-    (traced jnp, no host sync). ``num_experts`` must cover every route folded
-    with the plan (``>= route.n_experts``)."""
+    fold); larger ones are sorted by expert over ``num_experts`` experts, and
+    within an expert by ``row_adapter``'s slot when it is given
+    (:func:`sort_rows_by_expert`; traced jnp, no host sync). ``num_experts``
+    must cover every route folded with the plan (``>= route.n_experts``)."""
     n_slots = topk_ids.shape[0] * topk_ids.shape[1]
     if n_slots <= gather_max_rows:
         return RowPlan(False, topk_ids)
-    order, offsets, sorted_tok = sort_rows_by_expert(topk_ids, num_experts)
+    order, offsets, sorted_tok = sort_rows_by_expert(topk_ids, num_experts, row_adapter,
+                                                     num_adapters)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n_slots, dtype=jnp.int32))
     return RowPlan(True, topk_ids, order, inverse, offsets, sorted_tok)
 
@@ -453,8 +477,8 @@ def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route:
       route, row_adapter, impl, validate: as for ``moe_lora_gather_bgmv`` (a
         ``StackedRoute`` takes and returns ``[S, T * top_k, n_out]``).
       gather_max_rows: batches of at most this many flat rows take the gather
-        fold; larger ones are sorted by expert (stable, traced jnp), folded by
-        ``moe_lora_grouped_down`` and unsorted. Both give the same bits, except
+        fold; larger ones are sorted by expert and adapter (stable, traced
+        jnp), folded by ``moe_lora_grouped_down`` and unsorted. Both give the same bits, except
         with ``impl="fast"`` (decode rows on CUDA cores, sorted rows on the
         tensor cores: other fp32 summation orders, same skipped rows).
 
@@ -488,7 +512,8 @@ def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route:
     if row_adapter is not None and _int_array("row_adapter", row_adapter)[0] != ts[0]:
         raise ValueError(f"moe_lora_fold: row_adapter has {row_adapter.shape[0]} entries, the "
                          f"batch has {ts[0]} tokens")
-    plan = plan_rows(topk_ids, route.n_experts, gather_max_rows=gather_max_rows)
+    plan = plan_rows(topk_ids, route.n_experts, gather_max_rows=gather_max_rows,
+                     row_adapter=row_adapter, num_adapters=route.max_loras)
     xs = x if x_gather else plan.to_plan_order(x)
     folded = fold_planned(xs, plan.to_plan_order(base_out), plan, route, row_adapter,
                           x_gather=x_gather, impl=impl, validate=validate)
