@@ -16,7 +16,11 @@ For each case (model, projection, tokens, rank, adapters; see
 3. compares the time with the byte floor: the bytes a perfect fold moves
    (distinct touched (adapter, expert) A/B blocks, ``x`` once, ``base_out``
    read and written once) over the copy bandwidth measured in the same run
-   (an in-place read + write of a large buffer, timed the same way).
+   (an in-place read + write of a large buffer, timed the same way);
+4. with ``--trace DIR``, profiles one more run of the timed program
+   (``step_profile.kernel_times``) and reports the GPU kernel time per fold
+   (``kernel_us``) and its kernels: the wall time per fold minus
+   ``kernel_us`` is what launches and the gaps between kernels cost.
 
 ``ragged_dot`` is skipped where XLA's default (dense, zero-padded) lowering
 would need more than ``--ragged-max-gib``; ``--ragged-pallas`` switches it to
@@ -77,7 +81,7 @@ RAGGED_MAX_BYTES = {"gpu": 16 << 30, "cpu": 64 << 20}
 
 ROW_FIELDS = ("model", "proj", "tokens", "phase", "rank", "adapters", "method", "time_us",
               "floor_us", "pct_floor", "bytes", "bandwidth", "check", "check_err", "skipped",
-              "error", "pairs", "rows", "reps", "runs", "unroll")
+              "error", "pairs", "rows", "reps", "runs", "unroll", "kernel_us", "kernels")
 
 
 @dataclasses.dataclass
@@ -96,6 +100,7 @@ class Settings:
     check: bool = True
     out: Path | None = Path("bench_out")
     plot: bool = True
+    trace: Path | None = None
 
 
 def _platform() -> str:
@@ -163,6 +168,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of the same case and method)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"),
                         help="output folder (default bench_out/)")
+    parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                        help="profile one more run of each timed program into DIR and report "
+                             "the GPU kernel time per fold (kernel_us) and its kernels")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -194,7 +202,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     warmup=max(1, warmup), unroll=args.unroll, bw_bytes=bw,
                     ragged_max_bytes=0.0 if args.ragged_pallas else ragged,
                     ragged_pallas=bool(args.ragged_pallas), check=not args.no_check,
-                    out=args.out, plot=not args.no_plot)
+                    out=args.out, plot=not args.no_plot, trace=args.trace)
 
 
 def _unroll(s: Settings, method: str) -> int:
@@ -212,7 +220,8 @@ def _row(case: Case, method: str, nbytes: dict, bandwidth: float, s: Settings) -
             "time_us": None, "floor_us": floor_s * 1e6, "pct_floor": None,
             "bytes": nbytes["total"], "bandwidth": bandwidth, "check": None, "check_err": None,
             "skipped": None, "error": None, "pairs": nbytes["pairs"], "rows": case.n_rows,
-            "reps": s.reps, "runs": s.runs, "unroll": _unroll(s, method)}
+            "reps": s.reps, "runs": s.runs, "unroll": _unroll(s, method), "kernel_us": None,
+            "kernels": None}
 
 
 def _bench_case(case: Case, s: Settings, bandwidth: float, progress: Progress, task,
@@ -262,6 +271,8 @@ def _bench_case(case: Case, s: Settings, bandwidth: float, progress: Progress, t
                                  first=first)
                 row["time_us"] = t * 1e6
                 row["pct_floor"] = 100.0 * row["floor_us"] / row["time_us"]
+                if s.trace is not None:
+                    _trace_row(row, loop, base, args, s, case, method)
                 del args, loop
             except Exception as err:  # noqa: BLE001 - reported per row, the run goes on
                 row["error"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
@@ -272,6 +283,21 @@ def _bench_case(case: Case, s: Settings, bandwidth: float, progress: Progress, t
         rows.append(row)
         progress.advance(task)
     return rows
+
+
+def _trace_row(row: dict, loop, base: jax.Array, args: Any, s: Settings, case: Case,
+               method: str) -> None:
+    """``row["kernel_us"]``: GPU kernel time per fold in one traced run of
+    ``loop`` (the copy of ``base_out`` that the run starts from included, 1 /
+    ``reps`` of it), and ``row["kernels"]``: µs per fold of each kernel."""
+    from jax_moelora.step_profile import kernel_times
+
+    slug = f"{case.label}-{method}".replace(" ", "_").replace("=", "").replace("@", "_")
+    prof = kernel_times(lambda: loop(jnp.copy(base), args), calls=s.reps,
+                        folder=s.trace / slug)
+    if prof["per_call_us"]:
+        row["kernel_us"] = prof["total_us"]
+        row["kernels"] = {k[:80]: round(v, 3) for k, v in prof["per_call_us"].items()}
 
 
 def _fmt(v: float | None, digits: int = 1) -> str:
@@ -320,13 +346,16 @@ def make_table(rows: Sequence[dict], title: str = "") -> Table:
 
 def markdown_table(rows: Sequence[dict]) -> str:
     """The rows as a Markdown table (for notes and the README)."""
+    traced = any(r.get("kernel_us") for r in rows)  # a `kernel µs` column (--trace)
     head = ("| model | proj | phase | T | R | L | method | time µs | floor µs | % floor "
-            "| check |\n|---|---|---|---:|---:|---:|---|---:|---:|---:|---|")
+            + ("| kernel µs " if traced else "") + "| check |\n|---|---|---|---:|---:|---:|---|"
+            "---:|---:|---:|" + ("---:|" if traced else "") + "---|")
     lines = [head]
     for r in rows:
+        kern = f" {_fmt(r.get('kernel_us'), 2)} |" if traced else ""
         lines.append(f"| {r['model']} | {r['proj']} | {r['phase']} | {r['tokens']} | {r['rank']} "
                      f"| {r['adapters']} | {r['method']} | {_fmt(r['time_us'], 2)} | "
-                     f"{_fmt(r['floor_us'], 2)} | {_fmt(r['pct_floor'])} | {_status(r)} |")
+                     f"{_fmt(r['floor_us'], 2)} | {_fmt(r['pct_floor'])} |{kern} {_status(r)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -349,7 +378,8 @@ def _case_line(rows: Sequence[dict]) -> str:
     for r in rows:
         if r["time_us"] is not None:
             flag = "" if r["check"] in ("ok", "ref", None) else f" [bold red]{r['check']}[/]"
-            parts.append(f"{r['method']} {r['time_us']:,.2f} µs ({r['pct_floor']:.0f}%){flag}")
+            kern = f", kernels {r['kernel_us']:,.2f} µs" if r.get("kernel_us") else ""
+            parts.append(f"{r['method']} {r['time_us']:,.2f} µs ({r['pct_floor']:.0f}%{kern}){flag}")
         else:
             parts.append(f"{r['method']} {_status(r)}")
     return (f"{r0['model']} {r0['proj']} T={r0['tokens']} R={r0['rank']} L={r0['adapters']} "

@@ -263,3 +263,21 @@ def test_merge_joins_runs_and_keeps_each_rows_floor(tmp_path):
     assert (tmp_path / "m" / "bench.png").read_bytes()[:4] == b"\x89PNG"
     bad = p.parse_args(["--merge", str(tmp_path / "m" / "bench.md"), "--out", str(tmp_path)])
     assert bench.run(bad) == 2
+
+
+def test_trace_reports_kernel_time_per_fold(tmp_path):
+    """``--trace``: one more run of each timed program under the profiler; on
+    a GPU every timed row gets its kernel time per fold (positive, and at most
+    the wall time per fold it was measured against, give or take the timing
+    noise) and the fold's kernels by name; on the CPU no GPU kernel is traced
+    and the rows say nothing."""
+    trace = tmp_path / "trace"
+    assert _run(tmp_path, "--methods", "jnp", "--projs", "gate", "--trace", str(trace)) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert rows and any(trace.rglob("*.trace.json.gz"))
+    for r in rows:
+        if jax.default_backend() == "gpu":
+            assert 0 < r["kernel_us"] <= 2 * r["time_us"] and r["kernels"]
+            assert "kernel µs" in (tmp_path / "bench.md").read_text()
+        else:
+            assert r["kernel_us"] is None and r["kernels"] is None
