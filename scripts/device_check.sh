@@ -13,7 +13,8 @@
 #        differential fuzzing with FUZZ examples per test, default 100, on FUZZ_N
 #        workers within FUZZ_S seconds; sanall: SANALL_TOOLS, default "memcheck
 #        racecheck initcheck synccheck", over the whole GPU-marked suite in
-#        SANALL_N pytest --shard processes, SANALL_S seconds per tool, every
+#        SANALL_N pytest --shard processes per tool (default 4), every tool at
+#        once, within SANALL_S seconds (default 480), every
 #        kernel checked, or those whose names match the regex SANALL_KERNELS;
 #        SANALL_OPTS: more compute-sanitizer options; tests during which the
 #        tool crashes are listed as CRASHED and skipped)
@@ -111,24 +112,29 @@ san() {  # san TOOL SECONDS: the tool over the sanitizer tests (SAN_FILES, SAN_K
   step "$1"; san_shard "$R/$1.log" "$2" --tool "$1" --print-limit 20 -- -x -k "${SAN_K:-fast and not large}" \
     ${SAN_FILES:-tests/test_folds.py tests/test_stacked.py}; step "$1 done"
 }
-if has sanall; then  # every GPU-marked test under each tool, in SANALL_N shards (one process each)
+if has sanall; then  # every GPU-marked test under each tool, SANALL_N shards a tool (one process
+  # each), every tool's shards at once (SANALL_S seconds in all).
   # XLA's command buffers are off, so every kernel is a plain launch the tool
   # sees. initcheck skips host-API copies: XLA's own device-to-device copies
   # move buffers it has not initialised (the fold handlers copy only their
   # base_out input); it needs every kernel tracked (no SANALL_KERNELS), or the
   # buffers XLA's kernels write look uninitialised. compute-sanitizer 2025
-  # (CUDA 13.0) crashes (SIGSEGV) in some tests, e.g. the block's CUTLASS GEMM
-  # gradients, alone or sharded (docs/perf_log.md, 2026-12-01 b): san_shard
-  # logs them and goes on. SANALL_OPTS: more compute-sanitizer options.
-  for tool in ${SANALL_TOOLS:-memcheck racecheck initcheck synccheck}; do
-    step "sanall $tool"; n=${SANALL_N:-8}
+  # (CUDA 13.0) has crashed (SIGSEGV) in some runs, e.g. in the block's CUTLASS
+  # GEMM gradients, and not in others (docs/perf_log.md): san_shard logs such a
+  # test and goes on. SANALL_OPTS: more compute-sanitizer options.
+  tools=${SANALL_TOOLS:-memcheck racecheck initcheck synccheck}; n=${SANALL_N:-4}
+  step "sanall: $tools, $n shards each"
+  for tool in $tools; do
     opts=(--tool "$tool" --print-limit 20 ${SANALL_OPTS:-})
     [ -n "${SANALL_KERNELS:-}" ] && opts+=(--kernel-name "regex=$SANALL_KERNELS")
     [ "$tool" = initcheck ] && opts+=(--check-api-memory-access no)
     for i in $(seq 0 $((n - 1))); do
-      san_shard "$R/sanall_${tool}_$i.log" "${SANALL_S:-240}" "${opts[@]}" -- --shard "$i/$n" &
+      san_shard "$R/sanall_${tool}_$i.log" "${SANALL_S:-480}" "${opts[@]}" -- --shard "$i/$n" &
     done
-    wait; step "sanall $tool: $(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$R"/sanall_"$tool"_*.log | sort | uniq -c | tr -s ' ' | paste -sd';'); \
+  done
+  wait
+  for tool in $tools; do
+    step "sanall $tool: $(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$R"/sanall_"$tool"_*.log | sort | uniq -c | tr -s ' ' | paste -sd';'); \
 $(grep -hE "(passed|failed).* in " "$R"/sanall_"$tool"_*.log | tr -s ' ' | paste -sd';'); \
 crashed: $(grep -h '^CRASHED ' "$R"/sanall_"$tool"_*.log | wc -l)"
     grep -h '^CRASHED ' "$R"/sanall_"$tool"_*.log >> "$R/phases.log"
