@@ -16,7 +16,8 @@
 #        SANALL_N pytest --shard processes per tool (default 4), every tool at
 #        once, within SANALL_S seconds (default 480), every
 #        kernel checked, or those whose names match the regex SANALL_KERNELS;
-#        SANALL_OPTS: more compute-sanitizer options; tests during which the
+#        SANALL_OPTS: more compute-sanitizer options; SANALL_FILES, SANALL_K:
+#        test files and a -k expression instead of the whole suite; tests during which the
 #        tool crashes are listed as CRASHED and skipped)
 #        (readme: the README's GPU command without its download step, which
 #        builds the kernels and runs the demo on the GPU; it replaces build)
@@ -92,22 +93,7 @@ if has fuzz; then
   step fuzz; MOELORA_FUZZ_EXAMPLES=${FUZZ:-100} timeout "${FUZZ_S:-300}" python3 -m pytest -q -p no:cacheprovider \
     -n "${FUZZ_N:-8}" tests/test_differential.py > "$R/fuzz.log" 2>&1; step "fuzz rc=$?"
 fi
-san_shard() {  # san_shard LOG SECONDS SANITIZER_ARGS... -- PYTEST_ARGS...: GPU-marked tests
-  # under the tool within SECONDS; when the tool crashes (SIGSEGV) the running
-  # test is logged as "CRASHED <id>" and the run resumes without it and the tests done
-  local log=$1 end=$(( $(date +%s) + $2 )); shift 2; local san=() py=() skip=()
-  while [ "$1" != -- ]; do san+=("$1"); shift; done; shift; py=("$@")
-  while [ "$(date +%s)" -lt "$end" ]; do
-    XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout $(( end - $(date +%s) )) \
-      compute-sanitizer "${san[@]}" python3 -m pytest -v -p no:cacheprovider -m gpu "${py[@]}" \
-      "${skip[@]}" >> "$log" 2>&1
-    [ $? -eq 139 ] || break
-    echo "CRASHED $(grep -oE '^tests/[^ ]+::[^ ]+' "$log" | tail -1)" >> "$log"
-    skip=()
-    for t in $(grep -oE '^tests/[^ ]+::[^ ]+ (PASSED|FAILED|SKIPPED|ERROR)' "$log" | cut -d' ' -f1) \
-             $(grep -E '^CRASHED ' "$log" | cut -d' ' -f2); do skip+=(--deselect "$t"); done
-  done
-}
+source "$(dirname "$0")/san_shard.sh"  # san_shard, san_errors
 san() {  # san TOOL SECONDS: the tool over the sanitizer tests (SAN_FILES, SAN_K)
   step "$1"; san_shard "$R/$1.log" "$2" --tool "$1" --print-limit 20 -- -x -k "${SAN_K:-fast and not large}" \
     ${SAN_FILES:-tests/test_folds.py tests/test_stacked.py}; step "$1 done"
@@ -129,14 +115,15 @@ if has sanall; then  # every GPU-marked test under each tool, SANALL_N shards a 
     [ -n "${SANALL_KERNELS:-}" ] && opts+=(--kernel-name "regex=$SANALL_KERNELS")
     [ "$tool" = initcheck ] && opts+=(--check-api-memory-access no)
     for i in $(seq 0 $((n - 1))); do
-      san_shard "$R/sanall_${tool}_$i.log" "${SANALL_S:-480}" "${opts[@]}" -- --shard "$i/$n" &
+      san_shard "$R/sanall_${tool}_$i.log" "${SANALL_S:-480}" "${opts[@]}" -- --shard "$i/$n" \
+        ${SANALL_FILES:-} ${SANALL_K:+-k "$SANALL_K"} &
     done
   done
   wait
   for tool in $tools; do
     step "sanall $tool: $(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$R"/sanall_"$tool"_*.log | sort | uniq -c | tr -s ' ' | paste -sd';'); \
 $(grep -hE "(passed|failed).* in " "$R"/sanall_"$tool"_*.log | tr -s ' ' | paste -sd';'); \
-crashed: $(grep -h '^CRASHED ' "$R"/sanall_"$tool"_*.log | wc -l)"
+crashed: $(grep -h '^CRASHED ' "$R"/sanall_"$tool"_*.log | wc -l), error records: $(san_errors "$R"/sanall_"$tool"_*.log)"
     grep -h '^CRASHED ' "$R"/sanall_"$tool"_*.log >> "$R/phases.log"
   done
 fi

@@ -1,0 +1,27 @@
+# san_shard LOG SECONDS SANITIZER_ARGS... -- PYTEST_ARGS...: the GPU-marked
+# tests PYTEST_ARGS select, under compute-sanitizer SANITIZER_ARGS, within
+# SECONDS, output appended to LOG. When the tool crashes (SIGSEGV) the running
+# test is logged on a line of its own as "CRASHED <id>" and the run resumes
+# without it and the tests already done. XLA's command buffers are off, so
+# every kernel is a plain launch the tool sees. Sourced by device_check.sh;
+# tests/test_device_check.py runs it with a stand-in tool.
+san_shard() {
+  local log=$1 end=$(( $(date +%s) + $2 )); shift 2; local san=() py=() skip=() t
+  while [ "$1" != -- ]; do san+=("$1"); shift; done; shift; py=("$@")
+  while [ "$(date +%s)" -lt "$end" ]; do
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout $(( end - $(date +%s) )) \
+      compute-sanitizer "${san[@]}" python3 -m pytest -v -p no:cacheprovider -m gpu "${py[@]}" \
+      "${skip[@]}" >> "$log" 2>&1
+    [ $? -eq 139 ] || break
+    printf '\nCRASHED %s\n' "$(grep -oE '^tests/[^ ]+::[^ ]+' "$log" | tail -1)" >> "$log"
+    skip=()
+    for t in $(grep -oE '^tests/[^ ]+::[^ ]+ (PASSED|FAILED|SKIPPED|ERROR)' "$log" | cut -d' ' -f1) \
+             $(grep -E '^CRASHED ' "$log" | cut -d' ' -f2); do skip+=(--deselect "$t"); done
+  done
+}
+
+# san_errors LOG...: the error records the tool printed (each one is printed
+# when it happens, so those of runs that crashed count too).
+san_errors() {
+  cat "$@" | grep -cE '^========= (Invalid|Uninitialized|Error|Race|Barrier|Potential|Warning)'
+}

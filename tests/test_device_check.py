@@ -1,0 +1,56 @@
+"""``scripts/san_shard.sh``: the sanitizer runner of ``scripts/device_check.sh``
+resumes after the tool crashes, without the test it crashed in (run here with
+a stand-in ``compute-sanitizer``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Stands in for `compute-sanitizer ... python3 -m pytest ...`: three tests, of
+# which test_b kills the process with SIGSEGV after its id is printed (as the
+# tool did on the GPU), unless it is deselected.
+FAKE_TOOL = r"""#!/usr/bin/env bash
+echo "$*" >> "$CALLS"
+args=" $* "
+for t in a b c; do
+  id="tests/test_fake.py::test_$t"
+  case "$args" in *" --deselect $id "*) continue;; esac
+  if [ "$t" = b ]; then printf '%s ' "$id"; kill -SEGV $$; fi
+  echo "$id PASSED [ 50%]"
+done
+echo "========= ERROR SUMMARY: 0 errors"
+"""
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
+                    reason="needs bash and coreutils timeout")
+def test_san_shard_skips_the_test_the_tool_crashed_in(tmp_path):
+    tool = tmp_path / "bin" / "compute-sanitizer"
+    tool.parent.mkdir()
+    tool.write_text(FAKE_TOOL)
+    tool.chmod(0o755)
+    log, calls = tmp_path / "san.log", tmp_path / "calls"
+    env = dict(os.environ, PATH=f"{tool.parent}:{os.environ['PATH']}", CALLS=str(calls))
+    script = (f"ulimit -c 0; source {ROOT / 'scripts' / 'san_shard.sh'}; "
+              f"san_shard {log} 60 --tool memcheck -- tests/test_fake.py; "
+              f"echo errors=$(san_errors {log})")
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = log.read_text()
+    lines = text.splitlines()
+    assert "CRASHED tests/test_fake.py::test_b" in lines      # on a line of its own
+    assert sum("test_a PASSED" in ln for ln in lines) == 1     # not run again
+    assert sum("test_c PASSED" in ln for ln in lines) == 1     # run after the crash
+    second = calls.read_text().splitlines()
+    assert len(second) == 2
+    assert "--deselect tests/test_fake.py::test_a" in second[1]
+    assert "--deselect tests/test_fake.py::test_b" in second[1]
+    assert "errors=0" in out.stdout
