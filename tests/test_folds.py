@@ -522,3 +522,13 @@ def test_sort_rows_by_expert_and_adapter(rng, with_adapters):
         group = np.where((slot >= 0) & (slot < L), slot + 1, 0) if with_adapters else 0 * slot
         key = group * (T * k) + rows  # slot group first, then flat order
         np.testing.assert_array_equal(key, np.sort(key))
+
+
+def test_sort_rows_by_expert_checks_row_adapter():
+    topk = jnp.zeros((4, 2), jnp.int32)
+    with pytest.raises(ValueError, match=r"row_adapter must be \[T\] = \[4\]"):
+        sort_rows_by_expert(topk, 3, jnp.zeros((8,), jnp.int32), 2)
+    with pytest.raises(TypeError, match="row_adapter must be integers"):
+        sort_rows_by_expert(topk, 3, jnp.zeros((4,), jnp.float32), 2)
+    with pytest.raises(ValueError, match="num_adapters must be an int >= 0"):
+        sort_rows_by_expert(topk, 3, jnp.zeros((4,), jnp.int32), -1)

@@ -363,6 +363,17 @@ def sort_rows_by_expert(topk_ids: jax.Array, n_experts: int,
     """
     top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1).astype(jnp.int32)
+    if not isinstance(num_adapters, (int, np.integer)) or num_adapters < 0:
+        raise ValueError(f"sort_rows_by_expert: num_adapters must be an int >= 0, got "
+                         f"{num_adapters!r}")
+    if row_adapter is not None:
+        ra_shape = _shape("row_adapter", row_adapter)
+        if ra_shape != (topk_ids.shape[0],):
+            raise ValueError(f"sort_rows_by_expert: row_adapter must be [T] = "
+                             f"[{topk_ids.shape[0]}] (one slot a token), got shape {ra_shape}")
+        if not jnp.issubdtype(jnp.dtype(row_adapter.dtype), jnp.integer):
+            raise TypeError(f"sort_rows_by_expert: row_adapter must be integers, got "
+                            f"{row_adapter.dtype}")
     m = int(num_adapters) + 1  # keys per expert: base rows, then each slot
     if row_adapter is None or m < 2 or (n_experts + 2) * m >= 2**31:
         key, bounds = flat, jnp.arange(n_experts + 1, dtype=jnp.int32)
