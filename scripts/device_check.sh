@@ -16,7 +16,8 @@
 #        SANALL_N pytest --shard processes per tool (default 4), every tool at
 #        once, within SANALL_S seconds (default 480), every
 #        kernel checked, or those whose names match the regex SANALL_KERNELS;
-#        SANALL_OPTS: more compute-sanitizer options; SANALL_FILES, SANALL_K:
+#        SANALL_OPTS: more compute-sanitizer options; SAN_XLA_FLAGS: more XLA
+#        flags under the tool; SANALL_FILES, SANALL_K:
 #        test files and a -k expression instead of the whole suite; tests during which the
 #        tool crashes are listed as CRASHED and skipped)
 #        (readme: the README's GPU command without its download step, which
