@@ -11,8 +11,9 @@ prefill ones), and two pure-JAX baselines:
   ``[E * L, R, N]``, scale, add, unsort. The stacked weights are that
   baseline's own layout (what a user with stacked LoRA weights holds), built
   from the route once outside the timed region. Decode sorts the rows by
-  pair; prefill rows are already sorted by expert, so they are only sorted
-  (by adapter within each expert) when ``L > 1``.
+  pair; prefill rows are sorted by expert (and by adapter within each expert
+  by ``bench_cases``, which the baseline does not assume), so they are only
+  sorted by pair when ``L > 1``.
 - ``einsum``: a gather of each row's A and B block from the pool (through the
   tables) and two ``einsum``; rows are processed in chunks whose gathered
   blocks stay under ``EINSUM_CHUNK_BYTES`` (the approach of ``impl="jnp"``,

@@ -5,8 +5,9 @@ experts ``e_k`` and their weights ``w_k`` with its family's rule, each expert
 and the shared MLP run their projections plus the LoRA delta ``scale *
 (x @ A^T) @ B^T`` of the token's adapter. The deltas are folded by the
 library's folds, in the row order ``plan_rows`` chooses for the batch (flat
-rows and the gather fold for decode, rows sorted by expert and the grouped
-fold for prefill), computed once per call and shared by the expert folds.
+rows and the gather fold for decode, rows sorted by expert and, within an
+expert, by adapter, and the grouped fold for prefill), computed once per call
+and shared by the expert folds.
 
 Folds per call with LoRA: the router's (one gather fold), gate and up
 together (one fold of their ``StackedRoute``, ``MoELoRA.gate_up``: they read
@@ -107,7 +108,8 @@ class MoEBlock(nnx.Module):
         every case. The dense path does not use it.
       gather_max_rows: batches of at most this many ``T * top_k`` rows fold
         with the gather fold in flat row order (decode); larger ones are
-        sorted by expert once and take the grouped fold (prefill).
+        sorted by expert (and adapter) once and take the grouped fold
+        (prefill).
       lora: build the LoRA state (``False``: a plain MoE block).
       kernel_init: initializer of the routed experts' ``[E, K, N]`` weights
         (and of the shared experts' kernels).
