@@ -595,6 +595,22 @@ def _trace_kernels(console, label: str, fn, state, h, ids, calls: int, folder: P
     return prof
 
 
+def _print_split(console, label: str, base: dict, lora: dict) -> dict | None:
+    """Print and return ``step_profile.overhead_split`` of a traced variant
+    against the traced base variant (``None`` when no GPU kernel was traced)."""
+    from jax_moelora.step_profile import overhead_split
+
+    if not base["per_call_us"] or not lora["per_call_us"]:
+        return None
+    split = overhead_split(base, lora)
+    console.print(f"[bold]{label}[/]: {split['kernels_us']:+.1f} µs of kernels a step over the "
+                  f"base model: the library's kernels {split['library_us']:.1f} µs, XLA's "
+                  f"other kernels {split['xla_us']:+.1f} µs; idle gaps between kernels "
+                  f"{split['gaps_us']['base']:.1f} µs (base) and {split['gaps_us']['lora']:.1f} "
+                  f"µs")
+    return split
+
+
 def _timing_config(args, *, default_tokens: int) -> tuple[str, int, ModelConfig]:
     """The timing modes' dtype name, tokens and model config (full size and 4
     adapters unless asked otherwise)."""
@@ -647,6 +663,9 @@ def _run_timing(args, impl: str, console) -> int:
         for i, (label, _, ids) in enumerate(variants):
             results[label]["kernels"] = _trace_kernels(console, label, fns[label], state, h, ids,
                                                        inner, args.trace / f"variant{i}")
+        for label, *_ in variants[1:]:
+            results[label]["overhead_split"] = _print_split(
+                console, label, results[variants[0][0]]["kernels"], results[label]["kernels"])
     if args.json:
         args.json.write_text(json.dumps(dict(
             mode="timing", backend=jax.default_backend(), device=_device(), impl=impl,
@@ -761,6 +780,12 @@ def _run_prefill_timing(args, impl: str, console) -> int:
             if label not in errors:
                 results[label]["kernels"] = _trace_kernels(console, label, fn, state, h, ids,
                                                            inner, args.trace / f"prefill{i}")
+        for gemm in PREFILL_GEMMS:
+            b, lo = (results.get(f"{name}, {gemm}") for name in ("base model",
+                                                                  "LoRA, 4 adapters"))
+            if b and lo and "kernels" in b and "kernels" in lo:
+                lo["overhead_split"] = _print_split(console, f"LoRA, 4 adapters, {gemm}",
+                                                    b["kernels"], lo["kernels"])
     if args.json:
         args.json.write_text(json.dumps(dict(
             mode="prefill_timing", backend=jax.default_backend(), device=_device(), impl=impl,

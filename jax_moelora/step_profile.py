@@ -5,7 +5,8 @@
 every GPU kernel by name and divides by ``calls``: the device time each kernel
 costs per call, and the wall span from the first kernel's start to the last
 one's end. ``demo --timing --trace DIR`` uses it to split a decode step into
-its kernels (the LoRA folds, the router, XLA's fusions around them).
+its kernels (the LoRA folds, the router, XLA's fusions around them), and
+``overhead_split`` to split what LoRA adds to a step.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from typing import Any, Callable
 
 import jax
 
-__all__ = ["kernel_times", "read_trace"]
+__all__ = ["kernel_times", "overhead_split", "read_trace", "LIBRARY_KERNEL_MARK"]
+
+#: A substring of the name of every kernel of this library (its C++ namespace).
+LIBRARY_KERNEL_MARK = "moelora::"
 
 
 def read_trace(folder: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
@@ -66,3 +70,22 @@ def kernel_times(fn: Callable, *args: Any, calls: int, folder: str | Path) -> di
     return {"per_call_us": {k: v / calls for k, v in dur.most_common()},
             "total_us": sum(dur.values()) / calls, "span_us": span / calls,
             "count": {k: v / calls for k, v in count.items()}, "processes": processes}
+
+
+def overhead_split(base: dict[str, Any], lora: dict[str, Any]) -> dict[str, Any]:
+    """What a variant with LoRA adds to a step over the base variant, from two
+    ``kernel_times`` profiles of one step each.
+
+    Returns ``{"kernels_us": added kernel time, "library_us": the library's
+    kernels (names with ``LIBRARY_KERNEL_MARK``), "xla_us": the rest of the
+    added kernel time (XLA's ops around the folds; negative when XLA's own
+    kernels got faster), "gaps_us": {"base": span - kernels, "lora": ...}
+    (idle time between the kernels), "library": {name: µs}}``, µs per step."""
+    lib = {k: v for k, v in lora["per_call_us"].items() if LIBRARY_KERNEL_MARK in k}
+    added = lora["total_us"] - base["total_us"]
+    library = sum(lib.values()) - sum(v for k, v in base["per_call_us"].items()
+                                      if LIBRARY_KERNEL_MARK in k)
+    return {"kernels_us": added, "library_us": library, "xla_us": added - library,
+            "gaps_us": {"base": base["span_us"] - base["total_us"],
+                        "lora": lora["span_us"] - lora["total_us"]},
+            "library": lib}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import jax
 import pytest
 
 from jax_moelora import demo
@@ -56,6 +57,26 @@ def test_timing_mode_prints_the_overhead(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["tokens"] == 8 and len(result["results"]) == 3
     assert isinstance(result["overhead_percent"], float)
+
+
+def test_timing_trace_splits_the_lora_overhead(tmp_path, capsys):
+    """``--timing --trace DIR``: each variant profiled once; on a GPU the LoRA
+    variants' kernel time over the base model is split into the library's
+    kernels, XLA's other kernels and idle gaps (on the CPU no GPU kernel is
+    traced, and there is nothing to split)."""
+    out = tmp_path / "timing.json"
+    assert run_demo("--timing", "--size", "small", "--layers", "1", "--tokens", "8",
+                    "--steps", "2", "--repeats", "2", "--trace", str(tmp_path / "trace"),
+                    "--json", str(out)) == 0
+    results = json.loads(out.read_text())["results"]
+    assert all("kernels" in r for r in results.values())
+    lora = results["LoRA, 4 adapters over T tokens"]
+    if jax.default_backend() == "gpu":
+        split = lora["overhead_split"]
+        assert split["library_us"] > 0 and split["library"]
+        assert "of kernels a step over the base model" in capsys.readouterr().out
+    else:
+        assert lora["overhead_split"] is None
 
 
 def test_timing_with_every_batch_sorted(tmp_path, capsys):

@@ -1,0 +1,36 @@
+"""``step_profile.overhead_split``: what LoRA adds to a step, from two kernel
+profiles (``demo --timing --trace``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jax_moelora.step_profile import LIBRARY_KERNEL_MARK, overhead_split
+
+
+def _profile(kernels: dict[str, float], span: float) -> dict:
+    return {"per_call_us": kernels, "total_us": sum(kernels.values()), "span_us": span}
+
+
+def test_overhead_split_separates_library_kernels_xla_ops_and_gaps():
+    fold = f"void {LIBRARY_KERNEL_MARK}fast::gather_rows_kernel<2, 4, 2>"
+    router = f"void {LIBRARY_KERNEL_MARK}fast::gather_f32_kernel<2>"
+    base = _profile({"gemm_fusion_dot": 1000.0, "loop_add_fusion": 10.0}, span=1020.0)
+    lora = _profile({"gemm_fusion_dot": 1000.0, "loop_add_fusion": 8.0, fold: 100.0,
+                     router: 30.0, "input_concatenate_fusion": 20.0}, span=1165.0)
+    split = overhead_split(base, lora)
+    assert split["kernels_us"] == pytest.approx(148.0)
+    assert split["library_us"] == pytest.approx(130.0)
+    assert split["xla_us"] == pytest.approx(18.0)     # +20 concatenation, -2 faster add
+    assert split["gaps_us"] == pytest.approx({"base": 10.0, "lora": 7.0})
+    assert split["library"] == {fold: 100.0, router: 30.0}
+
+
+def test_overhead_split_counts_library_kernels_of_the_base_variant_out():
+    """A base variant that already runs a library kernel (the block's
+    expert_matmul GEMM at prefill) is not charged to LoRA."""
+    gemm = f"{LIBRARY_KERNEL_MARK}expert_gemm"
+    fold = f"{LIBRARY_KERNEL_MARK}fast::grouped_expand_kernel"
+    split = overhead_split(_profile({gemm: 700.0}, 700.0), _profile({gemm: 700.0, fold: 90.0},
+                                                                    790.0))
+    assert split["library_us"] == pytest.approx(90.0) and split["xla_us"] == pytest.approx(0.0)
