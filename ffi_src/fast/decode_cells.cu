@@ -388,17 +388,8 @@ cudaError_t gather_cells_rt(const DecodeParams& p, int plan_bytes, cudaStream_t 
   if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(kernel), lay.total);
       err != cudaSuccess)
     return err;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(p.max_batches), unsigned((p.a.N + p.chunk_w - 1) / p.chunk_w), 1);
-  cfg.blockDim = dim3(kDecThreads, 1, 1);
-  cfg.dynamicSmemBytes = size_t(lay.total);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, p);
+  const dim3 grid(unsigned(p.max_batches), unsigned((p.a.N + p.chunk_w - 1) / p.chunk_w), 1);
+  return launch_dependent(kernel, grid, kDecThreads, lay.total, stream, p);
 }
 
 // Whether the decode cells kernels take these arguments, and their launch.

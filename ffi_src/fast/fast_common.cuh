@@ -198,6 +198,25 @@ inline cudaError_t ensure_smem(const void* kernel, int smem_bytes) {
   return cudaSuccess;
 }
 
+// Launch `kernel` with programmatic dependent launch: its CTAs may start
+// while the previous kernel on the stream still runs, so the kernel must
+// execute griddepcontrol.wait before it reads what that kernel writes.
+template <class... Params, class... Args>
+inline cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, int threads,
+                                   int smem_bytes, cudaStream_t stream, const Args&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(unsigned(threads), 1, 1);
+  cfg.dynamicSmemBytes = size_t(smem_bytes);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
 // Launchers of the kernel files (dtype already checked by the dispatchers).
 cudaError_t launch_gather_f32(const GatherArgs& a, cudaStream_t stream);
 cudaError_t launch_gather_rows(const GatherArgs& a, cudaStream_t stream);

@@ -251,19 +251,10 @@ cudaError_t grouped_expand(const GroupedArgs& a, int64_t lo, int64_t hi, cudaStr
   const int64_t tiles = (hi - lo + kExpRows - 1) / kExpRows;
   const int64_t want = 2 * int64_t(sm_count()) * kExpResident;
   const int64_t groups = std::min<int64_t>({(want + tiles - 1) / tiles, p.chunks, 65535});
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(tiles), unsigned(groups), 1);
-  cfg.blockDim = dim3(kExpThreads, 1, 1);
-  cfg.dynamicSmemBytes = size_t(lay.total);
-  cfg.stream = stream;
-  // Programmatic dependent launch: the expand's CTAs may start while the
-  // shrink runs; griddepcontrol.wait orders their xa reads after it.
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, p);
+  // the expand's CTAs may start while the shrink runs; griddepcontrol.wait
+  // orders their xa reads after it
+  return launch_dependent(kernel, dim3(unsigned(tiles), unsigned(groups), 1), kExpThreads,
+                          lay.total, stream, p);
 }
 
 }  // namespace
