@@ -55,6 +55,7 @@ constexpr int kDecMaxRank = 64;   // 4 rank tiles of 16
 constexpr int kDecSmemCap = 200 * 1024;
 constexpr int kPlanThreads = 1024;
 constexpr int kPlanWarps = kPlanThreads / 32;
+static_assert(kPlanWarps == 32, "the plan kernel scans its warp sums with one warp");
 
 // Rank tiles of 16 the kernel is instantiated with for rank R (<= kDecMaxRank).
 __host__ __device__ constexpr int rank_tiles(int R) { return R <= 16 ? 1 : (R <= 32 ? 2 : 4); }
@@ -85,10 +86,10 @@ __host__ __device__ inline Plan plan_of(void* scratch, int64_t max_batches) {
   return Plan{p, p + 3 * max_batches};
 }
 
-// Shared memory of the plan kernel: row keys, then per cell its row count,
-// first row and cursor.
+// Shared memory of the plan kernel: each row's key and its rank within its
+// cell, then per cell its row count and first row, then the warp scans.
 __host__ __device__ inline int64_t plan_smem(int64_t n_slots, int64_t nkeys) {
-  return (n_slots + 3 * nkeys + 2 * kPlanWarps) * 4;
+  return (2 * n_slots + 2 * nkeys + 2 * kPlanWarps + 2) * 4;
 }
 
 struct DecodeParams {
@@ -107,29 +108,38 @@ __device__ __forceinline__ uint2 ldg8(const uint16_t* p) {
 template <int RT>
 constexpr int shrink_unroll() { return RT == 1 ? 4 : (RT == 2 ? 2 : 1); }
 
-// The plan kernel (one CTA): see the top of the file.
+// The plan kernel (one CTA): see the top of the file. Four barriers: the
+// counts zeroed; every row keyed; every row counted (its rank within its cell
+// taken from the atomic count); the cells scanned.
 __global__ void __launch_bounds__(kPlanThreads) gather_plan_kernel(const GatherArgs a, int nkeys,
                                                                   int max_batches) {
   extern __shared__ __align__(16) char smem[];
   // the batch kernel may start now: it waits (griddepcontrol.wait) for this grid
   asm volatile("griddepcontrol.launch_dependents;");
-  const int n_slots = int(a.n_slots), E = int(a.route.n_experts);
+  const int n_slots = int(a.n_slots), E = int(a.route.n_experts), L = int(a.route.num_loras);
+  const int top_k = int(a.top_k);
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   int* s_key = reinterpret_cast<int*>(smem);
-  int* s_cnt = s_key + n_slots;
+  int* s_pos = s_key + n_slots;
+  int* s_cnt = s_pos + n_slots;
   int* s_first = s_cnt + nkeys;
-  int* s_cur = s_first + nkeys;
-  int* s_scan = s_cur + nkeys;  // [2][kPlanWarps]: rows and batches per warp
+  int* s_scan = s_first + nkeys;  // [2][kPlanWarps] per warp, then 2 totals
   const Plan plan = plan_of(a.xa, max_batches);
 
   for (int k = tid; k < nkeys; k += kPlanThreads) s_cnt[k] = 0;
+  // every row's key (gather_row_cell's rule; both loads of a row in flight at once)
+#pragma unroll 4
   for (int i = tid; i < n_slots; i += kPlanThreads) {
-    int l, e;
-    s_key[i] = gather_row_cell(a, i, &l, &e) ? l * E + e : -1;
+    const int ad = a.has_row_adapter ? a.row_adapter[i / top_k] : 0;
+    const int e = a.indices[i];
+    const int l = L == 1 ? 0 : ad;
+    s_key[i] = ad >= 0 && l < L && e >= 0 && e < E ? l * E + e : -1;
   }
   __syncthreads();
-  for (int i = tid; i < n_slots; i += kPlanThreads)
-    if (s_key[i] >= 0) atomicAdd(&s_cnt[s_key[i]], 1);
+  for (int i = tid; i < n_slots; i += kPlanThreads) {
+    const int key = s_key[i];
+    s_pos[i] = key >= 0 ? atomicAdd(&s_cnt[key], 1) : 0;
+  }
   __syncthreads();
   // rows and batches of each thread's contiguous key segment, scanned
   const int seg = (nkeys + kPlanThreads - 1) / kPlanThreads;
@@ -153,15 +163,27 @@ __global__ void __launch_bounds__(kPlanThreads) gather_plan_kernel(const GatherA
     s_scan[kPlanWarps + w] = bi;
   }
   __syncthreads();
-  int row0 = ri - rows, batch0 = bi - batches, total = 0;
-  for (int i = 0; i < kPlanWarps; ++i) {
-    row0 += i < w ? s_scan[i] : 0;
-    batch0 += i < w ? s_scan[kPlanWarps + i] : 0;
-    total += s_scan[kPlanWarps + i];
+  if (w == 0) {  // the warps' sums scanned by warp 0 (kPlanWarps == 32), exclusive
+    int rw = s_scan[lane], bw = s_scan[kPlanWarps + lane];
+    const int r_own = rw, b_own = bw;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int rv = __shfl_up_sync(0xffffffffu, rw, o), bv = __shfl_up_sync(0xffffffffu, bw, o);
+      if (lane >= o) {
+        rw += rv;
+        bw += bv;
+      }
+    }
+    s_scan[lane] = rw - r_own;
+    s_scan[kPlanWarps + lane] = bw - b_own;
+    if (lane == 31) s_scan[2 * kPlanWarps + 1] = bw;  // batches in all
   }
+  __syncthreads();
+  int row0 = s_scan[w] + ri - rows, batch0 = s_scan[kPlanWarps + w] + bi - batches;
+  const int total = s_scan[2 * kPlanWarps + 1];
   for (int k = k0; k < k1; ++k) {
     const int c = s_cnt[k];
-    s_first[k] = s_cur[k] = row0;
+    s_first[k] = row0;
     for (int j = 0; j * kBatchRows < c; ++j, ++batch0) {
       plan.batch[3 * batch0] = k;
       plan.batch[3 * batch0 + 1] = row0 + j * kBatchRows;
@@ -172,7 +194,7 @@ __global__ void __launch_bounds__(kPlanThreads) gather_plan_kernel(const GatherA
   for (int b = total + tid; b < max_batches; b += kPlanThreads) plan.batch[3 * b + 2] = 0;
   __syncthreads();
   for (int i = tid; i < n_slots; i += kPlanThreads)
-    if (s_key[i] >= 0) plan.rows[atomicAdd(&s_cur[s_key[i]], 1)] = i;
+    if (s_key[i] >= 0) plan.rows[s_first[s_key[i]] + s_pos[i]] = i;
 }
 
 template <DType D, int RT>
