@@ -17,19 +17,20 @@ struct Dims {
   int64_t K, N, R, P;
 };
 
-inline ffi::Error check_route(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuffer a_pool,
-                       ffi::AnyBuffer b_pool, ffi::Buffer<ffi::S32> a_table,
-                       ffi::Buffer<ffi::S32> b_table, ffi::Buffer<ffi::F32> scale_table,
-                       Dims* d, RouteView* route) {
-  auto xd = x.dimensions(), bd = base.dimensions();
+// The route's checks against activations x [M, K] and outputs of n_out
+// columns in dtype dt.
+inline ffi::Error check_route_for(ffi::AnyBuffer x, int64_t n_out, ffi::DataType dt,
+                                  ffi::AnyBuffer a_pool, ffi::AnyBuffer b_pool,
+                                  ffi::Buffer<ffi::S32> a_table, ffi::Buffer<ffi::S32> b_table,
+                                  ffi::Buffer<ffi::F32> scale_table, Dims* d, RouteView* route) {
+  auto xd = x.dimensions();
   auto ad = a_pool.dimensions(), pd = b_pool.dimensions(), td = a_table.dimensions();
-  if (xd.size() != 2 || bd.size() != 2 || ad.size() != 3 || pd.size() != 3 || td.size() != 2)
+  if (xd.size() != 2 || ad.size() != 3 || pd.size() != 3 || td.size() != 2)
     return ffi::Error::InvalidArgument("moe_lora fold: operand ranks are wrong");
-  const auto dt = base.element_type();
   if (x.element_type() != dt || a_pool.element_type() != dt || b_pool.element_type() != dt)
     return ffi::Error::InvalidArgument("moe_lora fold: x, base_out and pools differ in dtype");
   d->P = ad[0]; d->R = ad[1]; d->K = ad[2]; d->N = pd[1];
-  if (xd[1] != d->K || bd[1] != d->N || pd[0] != d->P || pd[2] != d->R || d->R > kMaxRank)
+  if (xd[1] != d->K || n_out != d->N || pd[0] != d->P || pd[2] != d->R || d->R > kMaxRank)
     return ffi::Error::InvalidArgument("moe_lora fold: pool and activation shapes disagree");
   auto same = [&](auto dims) { return dims.size() == 2 && dims[0] == td[0] && dims[1] == td[1]; };
   if (!same(b_table.dimensions()) || !same(scale_table.dimensions()))
@@ -37,6 +38,17 @@ inline ffi::Error check_route(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuf
   *route = RouteView{a_table.typed_data(), b_table.typed_data(), scale_table.typed_data(),
                      td[0], td[1], d->P};
   return ffi::Error::Success();
+}
+
+// The same checks against base_out [rows, n_out].
+inline ffi::Error check_route(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuffer a_pool,
+                       ffi::AnyBuffer b_pool, ffi::Buffer<ffi::S32> a_table,
+                       ffi::Buffer<ffi::S32> b_table, ffi::Buffer<ffi::F32> scale_table,
+                       Dims* d, RouteView* route) {
+  if (base.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("moe_lora fold: operand ranks are wrong");
+  return check_route_for(x, base.dimensions()[1], base.element_type(), a_pool, b_pool, a_table,
+                         b_table, scale_table, d, route);
 }
 
 // Every check of a moe_lora_gather_bgmv call; fills the dims and the route.

@@ -275,8 +275,11 @@ def test_expert_gemm_auto_picks_the_kernel_per_lowering_platform(monkeypatch):
     for any other platform (exported here without a GPU, with a stand-in for
     the expert_matmul branch)."""
     monkeypatch.setattr(experts, "grouped_gemm_runs_kernel", lambda *a: True)
-    monkeypatch.setattr(experts, "_expert_matmul", lambda xs, ws, sizes: tuple(
-        jnp.full((xs.shape[0], w.shape[2]), 1024.0, xs.dtype) for w in ws))
+    def stand_in(xs, ws, sizes, stacked):
+        outs = tuple(jnp.full((xs.shape[0], w.shape[2]), 1024.0, xs.dtype) for w in ws)
+        return jnp.stack(outs) if stacked else outs
+
+    monkeypatch.setattr(experts, "_expert_matmul", stand_in)
     block = _block(gather_max_rows=8, lora=False, dtype=jnp.bfloat16)
     x = jnp.asarray(_inputs(11, 2)[0])
     f = jax.jit(lambda x: block(x))
@@ -284,10 +287,10 @@ def test_expert_gemm_auto_picks_the_kernel_per_lowering_platform(monkeypatch):
     cpu = jax.export.export(f, platforms=["cpu"])(x).mlir_module()
     assert "1.024000e+03" in cuda and "ragged_dot" not in cuda
     assert "1.024000e+03" not in cpu and "ragged_dot" in cpu
-    # run here: the CPU lowering, ragged_dot
-    np.testing.assert_array_equal(_run(block, x, None),
-                                  _run(_block(gather_max_rows=8, lora=False, dtype=jnp.bfloat16,
-                                              expert_gemm="ragged_dot"), x, None))
+    # run on the CPU device (also where a GPU is present): the CPU lowering, ragged_dot
+    ragged = _block(gather_max_rows=8, lora=False, dtype=jnp.bfloat16, expert_gemm="ragged_dot")
+    np.testing.assert_array_equal(_run(block, x, None, impl="cpu"),
+                                  _run(ragged, x, None, impl="cpu"))
 
 
 def test_bad_expert_gemm_is_refused():

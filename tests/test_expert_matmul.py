@@ -114,7 +114,8 @@ class Case:
             adapter = self.row_adapter[np.clip(stids, 0, limit - 1)].astype(np.int64)
         return route_folds(route, adapter, e) & tok_ok & (e >= 0)
 
-    def run(self, impl: str, *, lora: bool = True, glu: bool = False, jit: bool = True):
+    def run(self, impl: str, *, lora: bool = True, glu: bool = False, stacked: bool = False,
+            jit: bool = True):
         with on_platform(impl):
             pair = len(self.ws) == 2
             w = tuple(to_device(self.ws)) if pair else to_device(self.ws[0])
@@ -125,7 +126,7 @@ class Case:
             def f(x, w, gs, stids, ra, lo):
                 return ml.expert_matmul(x, w, gs, lora=lo, row_adapter=ra,
                                         sorted_token_ids=stids, x_gather=self.x_gather,
-                                        glu=glu, impl=impl)
+                                        glu=glu, stacked=stacked, impl=impl)
 
             f = jax.jit(f) if jit else f
             out = f(args[0], w, args[1], args[2], args[3], lo)
@@ -253,6 +254,10 @@ def test_gate_up_pair(rng, impl, dtype, x_gather, num_loras):
     glu = case.run(impl, glu=True)
     want = (jax.nn.silu(g.astype(np.float32)) * u.astype(np.float32)).astype(dtype)
     same(glu, np.asarray(want), "glu")
+    gu = case.run(impl, stacked=True)
+    assert gu.shape == (2,) + g.shape
+    same(gu[0], g, "stacked gate")
+    same(gu[1], u, "stacked up")
 
 
 def test_stacked_weights_and_one_sided_lora(rng):
@@ -439,6 +444,9 @@ def _args(rng, **kw):
     (lambda a: dict(w=a["w"][:3], group_sizes=a["group_sizes"][:3]), ValueError,
      "lora has 5 experts, w has 3"),
     (lambda a: dict(glu=True), ValueError, "glu=True needs a gate/up pair"),
+    (lambda a: dict(stacked=True), ValueError, "stacked=True needs a gate/up pair"),
+    (lambda a: dict(w=(a["w"], a["w"]), lora=None, glu=True, stacked=True), ValueError,
+     "and glu=False"),
     (lambda a: dict(impl="seed"), ValueError, "impl must be one of"),
     (lambda a: dict(lora="route"), TypeError, "lora must be a MoeExpertRoute"),
 ])

@@ -7,7 +7,8 @@
 //             then two routes, five arrays each (a_pool [P, R, K], b_pool [P, N, R],
 //             a_table int32 [L, E_t], b_table int32 [L, E_t], scale_table f32 [L, E_t]);
 //             an absent route is any arrays of the right dtypes (not read).
-//   results:  out0 [M, N], out1 [M, N] (or [0, N] with one weight set),
+//   results:  out [num_weights, M, N] (weight set i's output is plane i: gate
+//             and up land stacked, the layout the stacked fold reads),
 //             scratch u8 [expert_matmul_scratch_bytes(num_weights * E, sm_count)],
 //             xa [M, R] (the fold's scratch; R the larger route rank, or 1).
 //   attrs:    num_weights (1 or 2), has_lora0, has_lora1, has_row_adapter, sm_count.

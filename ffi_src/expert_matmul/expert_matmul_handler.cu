@@ -30,8 +30,8 @@ ffi::Error ExpertMatmulCudaImpl(
     ffi::AnyBuffer w1, ffi::Buffer<ffi::S32> sorted_token_ids, ffi::Buffer<ffi::S32> row_adapter,
     ffi::AnyBuffer a0, ffi::AnyBuffer b0, ffi::Buffer<ffi::S32> at0, ffi::Buffer<ffi::S32> bt0,
     ffi::Buffer<ffi::F32> st0, ffi::AnyBuffer a1, ffi::AnyBuffer b1, ffi::Buffer<ffi::S32> at1,
-    ffi::Buffer<ffi::S32> bt1, ffi::Buffer<ffi::F32> st1, ffi::Result<ffi::AnyBuffer> out0,
-    ffi::Result<ffi::AnyBuffer> out1, ffi::Result<ffi::AnyBuffer> scratch,
+    ffi::Buffer<ffi::S32> bt1, ffi::Buffer<ffi::F32> st1, ffi::Result<ffi::AnyBuffer> out,
+    ffi::Result<ffi::AnyBuffer> scratch,
     ffi::Result<ffi::AnyBuffer> xa, int64_t num_weights, int64_t has_lora0, int64_t has_lora1,
     int64_t has_row_adapter, int64_t sm_count) {
   const auto xd = x.dimensions(), wd = w0.dimensions();
@@ -47,14 +47,19 @@ ffi::Error ExpertMatmulCudaImpl(
   const auto dt = x.element_type();
   if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) return invalid("dtype must be bf16 or f16");
   ffi::AnyBuffer ws[] = {w0, w1};
-  ffi::Result<ffi::AnyBuffer> outs[] = {out0, out1};
   for (int64_t i = 0; i < num_weights; ++i) {
-    const auto d = ws[i].dimensions(), od = outs[i]->dimensions();
+    const auto d = ws[i].dimensions();
     if (d.size() != 3 || d[0] != E || d[1] != K || d[2] != N || ws[i].element_type() != dt)
       return invalid("the weight sets differ in shape or dtype");
-    if (od.size() != 2 || od[0] != M || od[1] != N || outs[i]->element_type() != dt)
-      return invalid("output shape");
   }
+  const auto od = out->dimensions();
+  if (od.size() != 3 || od[0] != num_weights || od[1] != M || od[2] != N ||
+      out->element_type() != dt)
+    return invalid("output shape: [num_weights, M, N] in x's dtype");
+  // weight set i's output: plane i of out
+  char* const out_base = static_cast<char*>(out->untyped_data());
+  void* outs[kExpertMatmulMaxWeights] = {};
+  for (int64_t i = 0; i < num_weights; ++i) outs[i] = out_base + i * M * N * 2;  // 2-byte elements
   const DType dtype = dt == ffi::DataType::BF16 ? DType::kBf16 : DType::kF16;
   const int64_t groups = num_weights * E;
   const int64_t need = dtype == DType::kBf16 ? expert_gemm_scratch_bytes_bf16(groups, int(sm_count))
@@ -68,8 +73,8 @@ ffi::Error ExpertMatmulCudaImpl(
   Dims dims[kExpertMatmulMaxWeights];
   for (int64_t i = 0; i < num_weights; ++i) {
     if (!has_lora[i]) continue;
-    if (auto e = check_route(x, *outs[i], rb[i].a_pool, rb[i].b_pool, rb[i].a_table,
-                             rb[i].b_table, rb[i].scale_table, &dims[i], &routes[i]);
+    if (auto e = check_route_for(x, N, dt, rb[i].a_pool, rb[i].b_pool, rb[i].a_table,
+                                 rb[i].b_table, rb[i].scale_table, &dims[i], &routes[i]);
         e.failure())
       return e;
     if (routes[i].n_experts > E) return invalid("a route has more experts than w");
@@ -79,7 +84,7 @@ ffi::Error ExpertMatmulCudaImpl(
 
   ExpertGemmArgs g{x.untyped_data(),
                    {w0.untyped_data(), num_weights > 1 ? w1.untyped_data() : nullptr},
-                   {out0->untyped_data(), num_weights > 1 ? out1->untyped_data() : nullptr},
+                   {outs[0], outs[1]},
                    offsets.typed_data(), num_weights, E, M, K, N, scratch->untyped_data(),
                    int64_t(scratch->size_bytes()), int(sm_count)};
   cudaError_t err = dtype == DType::kBf16 ? expert_gemm_run_bf16(g, stream)
@@ -88,7 +93,7 @@ ffi::Error ExpertMatmulCudaImpl(
     if (!has_lora[i]) continue;
     GroupedArgs f{dtype,
                   x.untyped_data(),
-                  outs[i]->untyped_data(),
+                  outs[i],
                   xa->untyped_data(),
                   offsets.typed_data(),
                   sorted_token_ids.typed_data(),
@@ -148,8 +153,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertMatmulCuda, moelora::ExpertMatmulCudaImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()       //          a_table
                                   .Arg<ffi::Buffer<ffi::S32>>()       //          b_table
                                   .Arg<ffi::Buffer<ffi::F32>>()       //          scale_table
-                                  .Ret<ffi::AnyBuffer>()              // out0 [M, N]
-                                  .Ret<ffi::AnyBuffer>()              // out1 [M, N] or [0, N]
+                                  .Ret<ffi::AnyBuffer>()              // out [num_weights, M, N]
                                   .Ret<ffi::AnyBuffer>()              // scratch u8
                                   .Ret<ffi::AnyBuffer>()              // xa [M, R]
                                   .Attr<int64_t>("num_weights")

@@ -13,7 +13,8 @@ Folds per call with LoRA: the router's (one gather fold), gate and up
 together (one fold of their ``StackedRoute``, ``MoELoRA.gate_up``: they read
 the same rows, so one launch folds both; on flat rows
 ``fold_token_projections`` interleaves them per token and reads ``x`` in
-place), down (one fold); with shared experts, shared gate and up together and
+place; on sorted rows the experts' ``first_stacked`` hands them over stacked
+``[2, rows, I]``, which ``expert_matmul`` writes in place), down (one fold); with shared experts, shared gate and up together and
 shared down (one gather fold each).
 """
 
@@ -46,7 +47,6 @@ from jax_moelora.ops.folds import (
     moe_lora_gather_bgmv,
     plan_rows,
 )
-from jax_moelora.ops.stacked import StackedRoute
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["MoEBlock"]
@@ -61,17 +61,6 @@ def _fold_dense(x: Array, base: Array, route: MoeExpertRoute, adapter_ids: Array
     zeros = jnp.zeros((x.shape[0],), jnp.int32)
     return moe_lora_gather_bgmv(x, base, zeros, route, adapter_ids, top_k=1, x_gather=0,
                                 impl=impl)
-
-
-def _fold_gate_up(x: Array, g: Array, u: Array, plan, route: StackedRoute,
-                  adapter_ids: Array, impl: str) -> tuple[Array, Array]:
-    """Gate and up of the rows of ``plan`` folded in one launch: on flat rows,
-    interleaved per token (``fold_token_projections``, no copy of ``x``); on
-    sorted rows, stacked ``[2, rows, I]`` (the grouped fold's batching rule)."""
-    if plan.grouped:
-        gu = fold_planned(x, jnp.stack([g, u]), plan, route, adapter_ids, x_gather=1, impl=impl)
-        return gu[0], gu[1]
-    return fold_token_projections(x, (g, u), plan.topk_ids, route, adapter_ids, impl=impl)
 
 
 class MoEBlock(nnx.Module):
@@ -219,9 +208,16 @@ class MoEBlock(nnx.Module):
                          num_adapters=self.lora.max_loras if routes is not None else 0)
         rows = ExpertRows.make(plan, self._path(plan.grouped), self.num_experts,
                                self.expert_gemm)
-        g, u = self.experts.first(x, rows)
-        if routes is not None:  # gate and up: one fold of their stacked route
-            g, u = _fold_gate_up(x, g, u, plan, routes.gate_up, adapter_ids, impl)
+        # gate and up with LoRA: one fold of their stacked route
+        if routes is not None and plan.grouped:  # sorted rows, stacked [2, rows, I]
+            gu = fold_planned(x, self.experts.first_stacked(x, rows), plan, routes.gate_up,
+                              adapter_ids, x_gather=1, impl=impl)
+            g, u = gu[0], gu[1]
+        else:
+            g, u = self.experts.first(x, rows)
+            if routes is not None:  # flat rows, interleaved per token (x read in place)
+                g, u = fold_token_projections(x, (g, u), plan.topk_ids, routes.gate_up,
+                                              adapter_ids, impl=impl)
         h = self.experts.activation(g, u)
         d = self.experts.down(h, rows)
         if routes is not None:

@@ -24,6 +24,7 @@ Hopper GPUs; XLA:GPU lowers ``ragged_dot`` to a dense zero-padded matmul).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -120,35 +121,43 @@ def grouped_gemm_runs_kernel(dtype: Any, k: int, n: int) -> bool:
     return _ext.cuda_available() and uses_kernel(dtype, k, n)
 
 
-def _ragged_dot(xs: Array, ws: tuple[Array, ...], sizes: Array) -> tuple[Array, ...]:
-    return tuple(jax.lax.ragged_dot(xs, w, sizes) for w in ws)
+def _ragged_dot(xs: Array, ws: tuple[Array, ...], sizes: Array, stacked: bool):
+    outs = tuple(jax.lax.ragged_dot(xs, w, sizes) for w in ws)
+    return jnp.stack(outs) if stacked else outs
 
 
-def _expert_matmul(xs: Array, ws: tuple[Array, ...], sizes: Array) -> tuple[Array, ...]:
-    """The library's grouped GEMM without LoRA; a pair is one call (one launch)."""
+def _expert_matmul(xs: Array, ws: tuple[Array, ...], sizes: Array, stacked: bool):
+    """The library's grouped GEMM without LoRA; a pair is one call (one launch)
+    whose outputs are written stacked ``[2, M, N]``."""
+    sizes = sizes.astype(jnp.int32)
     if len(ws) == 2:
-        return tuple(_library_expert_matmul(xs, ws, sizes.astype(jnp.int32)))
-    return tuple(_library_expert_matmul(xs, w, sizes.astype(jnp.int32)) for w in ws)
+        out = _library_expert_matmul(xs, ws, sizes, stacked=True)
+        return out if stacked else (out[0], out[1])
+    outs = tuple(_library_expert_matmul(xs, w, sizes) for w in ws)
+    return jnp.stack(outs) if stacked else outs
 
 
-def _grouped_gemm(xs: Array, ws: tuple[Array, ...], sizes: Array,
-                  gemm: str) -> tuple[Array, ...]:
+def _grouped_gemm(xs: Array, ws: tuple[Array, ...], sizes: Array, gemm: str,
+                  stacked: bool = False):
     """Rows ``xs [M, K]`` sorted by expert (``sizes [E]`` rows each) through
-    each of ``ws`` (``[E, K, N]``, same shape): one ``[M, N]`` per weight."""
+    each of ``ws`` (``[E, K, N]``, same shape): one ``[M, N]`` per weight, or
+    with ``stacked`` one ``[len(ws), M, N]``."""
+    ragged = functools.partial(_ragged_dot, stacked=stacked)
+    library = functools.partial(_expert_matmul, stacked=stacked)
     if gemm == "ragged_dot":
-        return _ragged_dot(xs, ws, sizes)
+        return ragged(xs, ws, sizes)
     if gemm == "expert_matmul":
-        return _expert_matmul(xs, ws, sizes)
+        return library(xs, ws, sizes)
     _, k, n = ws[0].shape
     if not grouped_gemm_runs_kernel(xs.dtype, k, n):
-        return _ragged_dot(xs, ws, sizes)
+        return ragged(xs, ws, sizes)
     # The kernel runs here: take it when lowered for CUDA, ragged_dot on any
     # other platform (as the folds' impl="auto" does, ops/batching.py).
-    return jax.lax.platform_dependent(xs, ws, sizes, cuda=_expert_matmul, default=_ragged_dot)
+    return jax.lax.platform_dependent(xs, ws, sizes, cuda=library, default=ragged)
 
 
 def expert_matmul_pair(x: Array, ws: tuple[Array, ...], rows: ExpertRows, *,
-                       x_gather: bool) -> tuple[Array, ...]:
+                       x_gather: bool, stacked: bool = False):
     """Each row through its expert's weights, for one or two weight sets of one
     shape ``[E, K, N]`` on the same rows (gate and up: on the ragged path with
     ``expert_matmul`` they are one grouped GEMM of ``2E`` problems).
@@ -160,7 +169,9 @@ def expert_matmul_pair(x: Array, ws: tuple[Array, ...], rows: ExpertRows, *,
       rows: the rows and the matmul path.
 
     Returns:
-      one ``[T * top_k, N]`` per weight set, in plan order.
+      one ``[T * top_k, N]`` per weight set, in plan order; with ``stacked``
+      one ``[len(ws), T * top_k, N]`` (the ragged path of a sorted plan writes
+      it in place with ``expert_matmul``).
     """
     plan = rows.plan
     if rows.path == "ragged":
@@ -170,8 +181,10 @@ def expert_matmul_pair(x: Array, ws: tuple[Array, ...], rows: ExpertRows, *,
             xs = x[srt.sorted_token_ids]
         else:
             xs = x if plan.grouped else srt.to_plan_order(x)
-        outs = _grouped_gemm(xs, tuple(ws), sizes, rows.gemm)
-        return outs if plan.grouped else tuple(srt.to_flat_order(o) for o in outs)
+        if plan.grouped:
+            return _grouped_gemm(xs, tuple(ws), sizes, rows.gemm, stacked)
+        outs = tuple(srt.to_flat_order(o) for o in _grouped_gemm(xs, tuple(ws), sizes, rows.gemm))
+        return jnp.stack(outs) if stacked else outs
     outs = []
     for w in ws:
         if x_gather:
@@ -179,7 +192,7 @@ def expert_matmul_pair(x: Array, ws: tuple[Array, ...], rows: ExpertRows, *,
         else:
             out = _dense_rows(plan.to_flat_order(x), w, plan.topk_ids)
         outs.append(plan.to_plan_order(out))
-    return tuple(outs)
+    return jnp.stack(outs) if stacked else tuple(outs)
 
 
 def expert_matmul(x: Array, w: Array, rows: ExpertRows, *, x_gather: bool) -> Array:
@@ -220,6 +233,13 @@ class GluExperts(nnx.Module):
         g, u = expert_matmul_pair(x, (self.gate_proj[...].astype(self.dtype),
                                       self.up_proj[...].astype(self.dtype)), rows, x_gather=True)
         return g, u
+
+    def first_stacked(self, x: Array, rows: ExpertRows) -> Array:
+        """:meth:`first` stacked ``[2, T * top_k, I]`` (gate, up), the layout
+        of the stacked gate+up fold (written in place by ``expert_matmul``)."""
+        return expert_matmul_pair(x, (self.gate_proj[...].astype(self.dtype),
+                                      self.up_proj[...].astype(self.dtype)), rows, x_gather=True,
+                                  stacked=True)
 
     def activation(self, g: Array, u: Array) -> Array:
         """``silu(g) * u`` in float32, rounded once to the activation dtype (so
@@ -265,6 +285,10 @@ class GptOssExperts(nnx.Module):
         gu = expert_matmul(x, self.gate_up_proj[...].astype(self.dtype), rows, x_gather=True)
         gu = gu + self.gate_up_proj_bias[...].astype(self.dtype)[rows.experts()]
         return gu[:, 0::2], gu[:, 1::2]
+
+    def first_stacked(self, x: Array, rows: ExpertRows) -> Array:
+        """:meth:`first` stacked ``[2, T * top_k, I]`` (gate, up)."""
+        return jnp.stack(self.first(x, rows))
 
     def activation(self, g: Array, u: Array) -> Array:
         """``(clip(u, -limit, limit) + 1) * gc * sigmoid(alpha * gc)`` with

@@ -184,12 +184,13 @@ def uses_kernel(dtype, K: int, N: int) -> bool:
 
 
 def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra):
+    """``[len(ws), M, N]``: weight set ``i``'s folded output is plane ``i``."""
     ra = ra if cfg.has_ra else None
     if cfg.impl == "fast" and uses_kernel(xs.dtype, ws[0].shape[1], ws[0].shape[2]):
         return expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes, ra)
     fold_impl = "cpu" if cfg.impl == "cpu" else ("fast" if cfg.impl == "fast" else "jnp")
-    return tuple(_fold(fold_impl, xs, _ragged(xs, w, offsets), offsets, stids, r, ra)
-                 for w, r in zip(ws, routes))
+    return jnp.stack([_fold(fold_impl, xs, _ragged(xs, w, offsets), offsets, stids, r, ra)
+                      for w, r in zip(ws, routes)])
 
 
 @functools.cache
@@ -206,7 +207,7 @@ def _op(cfg: _Cfg):
         ra_ = ra if cfg.has_ra else None
         dxs = jnp.zeros(xs.shape, _F32)
         dws, droutes = [], []
-        for w, r, g in zip(ws, routes, gs):
+        for w, r, g in zip(ws, routes, gs):  # gs [len(ws), M, N]: one plane a weight set
             gemm = functools.partial(_ragged_f32, offsets=offsets)
             _, vjp = jax.vjp(gemm, xs, w)
             dx_g, dw = vjp(g.astype(_F32))
@@ -239,7 +240,7 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
                   lora: MoeExpertRoute | Sequence[MoeExpertRoute | None] | None = None,
                   row_adapter: jax.Array | None = None,
                   sorted_token_ids: jax.Array | None = None, x_gather: int = 0,
-                  glu: bool = False, impl: Impl = "auto"):
+                  glu: bool = False, stacked: bool = False, impl: Impl = "auto"):
     """Grouped expert GEMM over expert-sorted rows, with the LoRA delta folded in.
 
     Weights use ``ragged_dot``'s layout ``[E, K, N]`` (``out = x @ w[e]``): a
@@ -266,11 +267,14 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
       x_gather: 0 or 1, see ``x``.
       glu: with a gate/up pair, return ``round(silu(gate) * up)`` (from the
         rounded gate and up outputs, fp32 arithmetic) instead of the pair.
+      stacked: with a gate/up pair, return one ``[2, M, N]`` array (gate, up)
+        instead of two: the layout a ``StackedRoute`` fold takes, which the
+        kernel writes in place (no copy).
       impl: ``"auto"``, ``"fast"``, ``"cpu"`` or ``"jnp"`` (module docstring).
 
     Returns:
-      ``[M, N]`` in x's dtype; for a pair, ``(gate [M, N], up [M, N])``, or the
-      GLU ``[M, N]`` when ``glu``.
+      ``[M, N]`` in x's dtype; for a pair, ``(gate [M, N], up [M, N])``,
+      ``[2, M, N]`` when ``stacked``, or the GLU ``[M, N]`` when ``glu``.
     """
     xshape, dtype = _array("x", x)
     if dtype not in FLOAT_DTYPES:
@@ -303,6 +307,9 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
         raise ValueError(f"expert_matmul: no rows (x shape {xshape}, {M} sorted rows)")
     if glu and not pair:
         raise ValueError("expert_matmul: glu=True needs a gate/up pair of weights")
+    if stacked and (not pair or glu):
+        raise ValueError("expert_matmul: stacked=True needs a gate/up pair of weights and "
+                         "glu=False")
     routes = _routes(lora, pair, dtype, E, K, N)
     has_lora = any(r is not None for r in routes)
     if row_adapter is not None:
@@ -332,10 +339,12 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
     routes = tuple(None if r is None else jax.tree_util.tree_map(jnp.asarray, r) for r in routes)
     cfg = _Cfg(impl, ra is not None)
     ra_arg = ra if ra is not None else jnp.zeros((1,), jnp.int32)
-    outs = _op(cfg)(xs, tuple(ws), offsets, stids, routes, ra_arg)
+    out = _op(cfg)(xs, tuple(ws), offsets, stids, routes, ra_arg)  # [len(ws), M, N]
     if not pair:
-        return outs[0]
+        return out[0]
+    if stacked:
+        return out
     if glu:
-        g, u = (o.astype(_F32) for o in outs)
+        g, u = out[0].astype(_F32), out[1].astype(_F32)
         return (jax.nn.silu(g) * u).astype(dtype)
-    return outs
+    return out[0], out[1]

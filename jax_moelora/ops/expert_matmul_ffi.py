@@ -65,7 +65,7 @@ def _route_operands(route: MoeExpertRoute | None, dtype) -> tuple:
 def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter):
     """One custom call: the grouped GEMM of each weight set in ``ws`` (one or
     two ``[E, K, N]``) over ``xs [M, K]``, each output folded with its route.
-    Returns a tuple of ``[M, N]`` outputs, one per weight set."""
+    Returns ``[len(ws), M, N]``: weight set ``i``'s output is plane ``i``."""
     _ext.register()
     M, _ = xs.shape
     E, _, N = ws[0].shape
@@ -74,8 +74,7 @@ def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter):
     sm = device_sm_count()
     scratch = int(_ext.ext.expert_matmul_scratch_bytes(nw * E, sm))
     ranks = [r.max_rank for r in routes if r is not None]
-    out_types = (jax.ShapeDtypeStruct((M, N), dt),
-                 jax.ShapeDtypeStruct((M if nw > 1 else 0, N), dt),
+    out_types = (jax.ShapeDtypeStruct((nw, M, N), dt),
                  jax.ShapeDtypeStruct((scratch,), jnp.uint8),
                  jax.ShapeDtypeStruct((M if ranks else 1, max(ranks, default=1)), dt))
     ra = row_adapter if row_adapter is not None else jnp.zeros((1,), jnp.int32)
@@ -83,9 +82,9 @@ def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter):
     r0 = _route_operands(routes[0], dt)
     r1 = _route_operands(routes[1] if nw > 1 else None, dt)
     call = jax.ffi.ffi_call(_ext.EXPERT_MATMUL_TARGET, out_types, vmap_method="sequential")
-    out0, out1, _scratch, _xa = call(
+    out, _scratch, _xa = call(
         xs, offsets, ws[0], w1, stids, ra, *r0, *r1,
         num_weights=np.int64(nw), has_lora0=np.int64(routes[0] is not None),
         has_lora1=np.int64(nw > 1 and routes[1] is not None),
         has_row_adapter=np.int64(row_adapter is not None), sm_count=np.int64(sm))
-    return (out0,) if nw == 1 else (out0, out1)
+    return out
