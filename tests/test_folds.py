@@ -412,6 +412,24 @@ def test_gpu_large_shapes_match_reference(rng, impl, dtype, op):
     _check(case, case.run(impl), impl)
 
 
+@pytest.mark.parametrize("x_gather", [0, 1], ids=["xg0", "xg1"])
+@pytest.mark.parametrize("impl", ["cpu", *CUDA_IMPLS])
+def test_f32_long_gather_matches_reference_and_its_halves(rng, impl, x_gather):
+    """An fp32 gather fold of >= 2048 rows (the router's fold at prefill; on
+    ``fast`` the tiled kernel, which folds the rows of one adapter together)
+    meets the fp32 criterion, and each row has the bits it gets in a batch of
+    half the length (on ``fast`` the kernel of one CTA a row)."""
+    tokens, top_k = 1100, 2
+    case = make_gather_case(rng, dtype=jnp.float32, num_loras=4, top_k=top_k, num_tokens=tokens,
+                            x_gather=x_gather, k_in=256, n_out=136, ranks=(8, 16), max_rank=16)
+    out = case.run(impl)
+    _check(case, out, impl)
+    t2, r2 = tokens // 2, tokens * top_k // 2
+    half = case.run(impl, x=case.x[:t2 if x_gather else r2], base_out=case.base_out[:r2],
+                    indices=case.ids["indices"][:r2], row_adapter=case.row_adapter[:t2])
+    np.testing.assert_array_equal(bits(half), bits(out[:r2]))
+
+
 @pytest.mark.parametrize("impl", CUDA_IMPLS)
 def test_cuda_graphs_on_and_off_give_the_same_bits(tmp_path, impl):
     """A jitted multi-layer program run with CUDA graphs (the default) and in a

@@ -13,6 +13,11 @@
 //   - expand: delta = xa . B[n] in rank order, out = out + scale * delta.
 // The same device function serves both folds, so a row gets the same bits
 // from either. Larger ranks and unaligned shapes take a loop over the ranks.
+//
+// Long gather batches (the router's fold at prefill, kF32TiledMinRows rows
+// and more) take a tiled kernel: a CTA per kF32TileRows rows, whose rows of
+// one pair fold kF32Group at a time with the same per-row order, so the bits
+// do not depend on which kernel ran (or on the batch length).
 
 #include "fast/fast_common.cuh"
 
@@ -25,6 +30,13 @@ constexpr int kF32Warps = kF32Threads / 32;
 constexpr int kRankPass = 8;        // ranks per shrink pass (partial sums per thread)
 constexpr int kF32MaxRank = 64;     // ranks with unrolled loads (RB = R / 8 template)
 constexpr int64_t kF32Cols = 1024;  // output columns per CTA
+constexpr int kF32Group = 4;        // rows of one pair folded together (tiled kernel)
+constexpr int kF32TileRows = 16;    // rows per CTA of the tiled kernel
+// Batches of at least this many rows take the tiled kernel (with 16-byte
+// loads); below, one CTA a row is faster (H200, Qwen3 router, 4 adapters:
+// 1024 rows 20.6 against 28.4 µs; 2048 rows 37.2 against 29.5 µs; 4096 rows
+// 71.8 against 39.7 µs; docs/perf_log.md).
+constexpr int64_t kF32TiledMinRows = 2048;
 
 __device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
   acc = fmaf(a.x, b.x, acc);
@@ -117,6 +129,91 @@ __device__ void f32_fold_row(const float* __restrict__ x, const float* __restric
   }
 }
 
+// The tiled kernel's fold of n <= G rows that share one pair (16-byte loads,
+// R == 8 * RB): f32_fold_row's arithmetic for each row, in the same order, so
+// a row gets the same bits from either kernel; each A and B load serves the n
+// rows. Every thread of the CTA calls it with the same n.
+template <int RB, int G>
+__device__ void f32_fold_rows(const float* const* x, const float* __restrict__ A,
+                              const float* __restrict__ B, float scale, int64_t K,
+                              float* const* orow, int nrows, int64_t c0, int64_t c1) {
+  static_assert(RB > 0, "16-byte loads only");
+  constexpr int R = 8 * RB;
+  __shared__ float s_part[kF32Warps][G][kRankPass];
+  __shared__ float s_xa[G][R];
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  int64_t n = c0 + tid;  // the first column's operands, requested before the shrink
+  float4 bv[2 * RB];
+  float ov[G];
+  if (n < c1) {
+#pragma unroll
+    for (int i = 0; i < 2 * RB; ++i) bv[i] = __ldg(reinterpret_cast<const float4*>(B + n * R) + i);
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+      if (g < nrows) ov[g] = orow[g][n];
+  }
+  for (int p0 = 0; p0 < R; p0 += kRankPass) {
+    float acc[G][kRankPass] = {};
+#pragma unroll 2
+    for (int64_t k = int64_t(tid) * 4; k < K; k += kF32Threads * 4) {
+      float4 av[kRankPass];
+#pragma unroll
+      for (int j = 0; j < kRankPass; ++j)
+        av[j] = __ldg(reinterpret_cast<const float4*>(A + int64_t(p0 + j) * K + k));
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        if (g < nrows) {
+          const float4 xv = __ldg(reinterpret_cast<const float4*>(x[g] + k));
+#pragma unroll
+          for (int j = 0; j < kRankPass; ++j) acc[g][j] = dot4(av[j], xv, acc[g][j]);
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int j = 0; j < kRankPass; ++j)
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc[g][j] += __shfl_xor_sync(0xffffffffu, acc[g][j], o);
+    if (lane == 0) {
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int j = 0; j < kRankPass; ++j) s_part[w][g][j] = acc[g][j];
+    }
+    __syncthreads();
+    if (tid < G * kRankPass) {
+      const int g = tid / kRankPass, j = tid % kRankPass;
+      float v = s_part[0][g][j];
+#pragma unroll
+      for (int ww = 1; ww < kF32Warps; ++ww) v += s_part[ww][g][j];
+      s_xa[g][p0 + j] = v;
+    }
+    __syncthreads();
+  }
+  for (; n < c1; n += kF32Threads) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (g < nrows) {
+        float acc = 0.f;
+#pragma unroll
+        for (int i = 0; i < 2 * RB; ++i)
+          acc = dot4(bv[i], make_float4(s_xa[g][4 * i], s_xa[g][4 * i + 1], s_xa[g][4 * i + 2],
+                                        s_xa[g][4 * i + 3]), acc);
+        orow[g][n] = fold_add(ov[g], scale, acc);
+      }
+    }
+    if (n + kF32Threads < c1) {
+      const int64_t m = n + kF32Threads;
+#pragma unroll
+      for (int i = 0; i < 2 * RB; ++i) bv[i] = __ldg(reinterpret_cast<const float4*>(B + m * R) + i);
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+        if (g < nrows) ov[g] = orow[g][m];
+    }
+  }
+}
+
 template <int RB>
 __global__ void __launch_bounds__(kF32Threads) gather_f32_kernel(const GatherArgs a) {
   const int64_t row = blockIdx.x;
@@ -131,6 +228,61 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_kernel(const GatherArg
                    static_cast<const float*>(a.b_pool) + int64_t(pair.b) * a.N * a.R,
                    pair.scale, a.K, int(a.R), a.N, static_cast<float*>(a.out) + row * a.N, c0,
                    c1);
+}
+
+// Long batches (the router's fold at prefill): one CTA per TR consecutive
+// rows (and column chunk). The rows' pairs are resolved together; rows with
+// the same pair fold kF32Group at a time, so each A and B load serves up to
+// kF32Group rows instead of one (the A block of a rank-16 router is 128 KB, so
+// one CTA a row streams T * 128 KB through L2). Bit for bit as gather_f32_kernel.
+template <int RB, int TR>
+__global__ void __launch_bounds__(kF32Threads) gather_f32_tiled_kernel(const GatherArgs a) {
+  static_assert(TR <= 32 && TR <= kF32Threads, "a tile's rows fit one 32-bit mask");
+  __shared__ Pair s_pair[TR];
+  __shared__ int s_ok[TR];
+  const int tid = threadIdx.x;
+  const int64_t r0 = int64_t(blockIdx.x) * TR;
+  if (tid < TR) {
+    const int64_t row = r0 + tid;
+    int l, e;
+    Pair pair{};
+    s_ok[tid] = row < a.n_slots && gather_row_cell(a, row, &l, &e) &&
+                resolve_pair(a.route, l, e, &pair);
+    s_pair[tid] = pair;
+  }
+  __syncthreads();
+  const int64_t c0 = int64_t(blockIdx.y) * kF32Cols, c1 = min(a.N, c0 + kF32Cols);
+  const float* x0 = static_cast<const float*>(a.x);
+  float* out = static_cast<float*>(a.out);
+  // every thread walks the same groups (the CTA stays uniform)
+  uint32_t todo = 0;
+  for (int i = 0; i < TR; ++i) todo |= uint32_t(s_ok[i] != 0) << i;
+  while (todo) {
+    const int i = __ffs(todo) - 1;
+    const Pair p = s_pair[i];
+    const float* xs[kF32Group];
+    float* os[kF32Group];
+    int n = 0;
+    for (uint32_t m = todo; m && n < kF32Group; m &= m - 1) {
+      const int j = __ffs(m) - 1;
+      const Pair q = s_pair[j];
+      if (q.a != p.a || q.b != p.b || __float_as_uint(q.scale) != __float_as_uint(p.scale))
+        continue;
+      const int64_t row = r0 + j;
+#pragma unroll
+      for (int g = 0; g < kF32Group; ++g) {  // xs[n], os[n] with n in registers
+        if (g == n) {
+          xs[g] = x0 + (a.x_gather ? row / a.top_k : row) * a.K;
+          os[g] = out + row * a.N;
+        }
+      }
+      ++n;
+      todo &= ~(1u << j);
+    }
+    f32_fold_rows<RB, kF32Group>(xs, static_cast<const float*>(a.a_pool) + int64_t(p.a) * a.R * a.K,
+                                 static_cast<const float*>(a.b_pool) + int64_t(p.b) * a.N * a.R,
+                                 p.scale, a.K, os, n, c0, c1);
+  }
 }
 
 template <int RB>
@@ -179,9 +331,20 @@ cudaError_t by_rank(int rb, Launch launch) {
 }  // namespace
 
 cudaError_t launch_gather_f32(const GatherArgs& a, cudaStream_t stream) {
-  const dim3 grid(unsigned(a.n_slots), unsigned((a.N + kF32Cols - 1) / kF32Cols), 1);
-  return by_rank(f32_rank_blocks(a.x, a.a_pool, a.b_pool, a.K, a.R), [&](auto rb) {
-    gather_f32_kernel<decltype(rb)::value><<<grid, kF32Threads, 0, stream>>>(a);
+  const unsigned col_chunks = unsigned((a.N + kF32Cols - 1) / kF32Cols);
+  const int rb = f32_rank_blocks(a.x, a.a_pool, a.b_pool, a.K, a.R);
+  if (rb > 0 && a.n_slots >= kF32TiledMinRows) {
+    const dim3 grid(unsigned((a.n_slots + kF32TileRows - 1) / kF32TileRows), col_chunks, 1);
+    return by_rank(rb, [&](auto r) {
+      if constexpr (decltype(r)::value > 0)
+        gather_f32_tiled_kernel<decltype(r)::value, kF32TileRows>
+            <<<grid, kF32Threads, 0, stream>>>(a);
+      return cudaPeekAtLastError();
+    });
+  }
+  const dim3 grid(unsigned(a.n_slots), col_chunks, 1);
+  return by_rank(rb, [&](auto r) {
+    gather_f32_kernel<decltype(r)::value><<<grid, kF32Threads, 0, stream>>>(a);
     return cudaPeekAtLastError();
   });
 }
