@@ -100,6 +100,18 @@ struct DecodeParams {
   bool nvec;        // N % 8 == 0 and out 16-byte aligned: 16-byte output accesses
 };
 
+// Inclusive scans of two counts across a warp (lane = threadIdx.x % 32).
+__device__ __forceinline__ void warp_inclusive_scan2(int lane, int& a, int& b) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int av = __shfl_up_sync(0xffffffffu, a, o), bv = __shfl_up_sync(0xffffffffu, b, o);
+    if (lane >= o) {
+      a += av;
+      b += bv;
+    }
+  }
+}
+
 __device__ __forceinline__ uint2 ldg8(const uint16_t* p) {
   return __ldg(reinterpret_cast<const uint2*>(p));
 }
@@ -149,15 +161,8 @@ __global__ void __launch_bounds__(kPlanThreads) gather_plan_kernel(const GatherA
     rows += s_cnt[k];
     batches += (s_cnt[k] + kBatchRows - 1) / kBatchRows;
   }
-  int ri = rows, bi = batches;  // inclusive scans within the warp
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int rv = __shfl_up_sync(0xffffffffu, ri, o), bv = __shfl_up_sync(0xffffffffu, bi, o);
-    if (lane >= o) {
-      ri += rv;
-      bi += bv;
-    }
-  }
+  int ri = rows, bi = batches;
+  warp_inclusive_scan2(lane, ri, bi);
   if (lane == 31) {
     s_scan[w] = ri;
     s_scan[kPlanWarps + w] = bi;
@@ -166,14 +171,7 @@ __global__ void __launch_bounds__(kPlanThreads) gather_plan_kernel(const GatherA
   if (w == 0) {  // the warps' sums scanned by warp 0 (kPlanWarps == 32), exclusive
     int rw = s_scan[lane], bw = s_scan[kPlanWarps + lane];
     const int r_own = rw, b_own = bw;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int rv = __shfl_up_sync(0xffffffffu, rw, o), bv = __shfl_up_sync(0xffffffffu, bw, o);
-      if (lane >= o) {
-        rw += rv;
-        bw += bv;
-      }
-    }
+    warp_inclusive_scan2(lane, rw, bw);
     s_scan[lane] = rw - r_own;
     s_scan[kPlanWarps + lane] = bw - b_own;
     if (lane == 31) s_scan[2 * kPlanWarps + 1] = bw;  // batches in all
