@@ -21,6 +21,20 @@ def _has_gpu() -> bool:
 
 HAS_GPU = _has_gpu()
 
+# Host round trips that traced routing and table code must never contain.
+HOST_CALLBACKS = ("callback", "debug_print", "debug_callback", "pure_callback", "io_callback")
+
+
+def assert_pure_device(fn, *args) -> None:
+    """``fn(*args)`` traces to a jaxpr and an HLO module with no host callback
+    and no custom call (routing and table packing are traced jnp)."""
+    jaxpr = str(jax.make_jaxpr(fn)(*args))
+    hlo = jax.jit(fn).lower(*args).as_text()
+    for word in HOST_CALLBACKS:
+        assert word not in jaxpr, f"{word} in jaxpr"
+        assert word not in hlo, f"{word} in HLO"
+    assert "custom_call" not in hlo
+
 
 def pytest_addoption(parser):
     parser.addoption("--shard", default=None, metavar="I/N",

@@ -11,20 +11,10 @@ from hypothesis import strategies as st
 from jax.experimental import checkify
 
 import jax_moelora as jm
+from conftest import assert_pure_device
 from jax_moelora import Route, UnservableBatchError
 
 SETTINGS = settings(max_examples=40, deadline=None)
-FORBIDDEN = ("callback", "debug_print", "debug_callback", "pure_callback", "io_callback")
-
-
-def assert_pure_device(fn, *args):
-    """``fn`` traces to a jaxpr and an HLO module with no host callback."""
-    jaxpr = str(jax.make_jaxpr(fn)(*args))
-    hlo = jax.jit(fn).lower(*args).as_text()
-    for word in FORBIDDEN:
-        assert word not in jaxpr, f"{word} in jaxpr"
-        assert word not in hlo, f"{word} in HLO"
-    assert "custom_call" not in hlo
 
 
 def spec_route(slot: int, active: int, has: bool) -> Route:

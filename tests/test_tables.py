@@ -10,20 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_moelora as jm
+from conftest import assert_pure_device
 from jax_moelora import ExpertTables, MoeExpertRoute
 from jax_moelora.geometry import padded_rank
 from jax_moelora.reference import gather_bgmv_ref
 
 SETTINGS = settings(max_examples=40, deadline=None)
-FORBIDDEN = ("callback", "debug_print", "debug_callback", "pure_callback", "io_callback")
-
-
-def assert_pure_device(fn, *args):
-    jaxpr = str(jax.make_jaxpr(fn)(*args))
-    hlo = jax.jit(fn).lower(*args).as_text()
-    for word in FORBIDDEN:
-        assert word not in jaxpr and word not in hlo, word
-    assert "custom_call" not in hlo
 
 
 def naive_pack(entries, n=None):
