@@ -182,8 +182,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank in --timing (16)")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
-                        help="with --timing: profile one run of each variant into DIR and "
-                             "print the GPU kernel time per step by kernel name")
+                        help="with --timing: profile one run of each variant into DIR, print "
+                             "the GPU kernel time per step by kernel name and write each "
+                             "variant's optimized HLO (DIR/*/program.hlo.txt)")
     parser.add_argument("--timing", action="store_true",
                         help="decode-step time with and without LoRA (GPU measurement)")
     parser.add_argument("--prefill", action="store_true",
@@ -584,10 +585,15 @@ def _timed_loop(graphdef, impl: str, use_lora: bool, steps: int) -> Callable:
 
 def _trace_kernels(console, label: str, fn, state, h, ids, calls: int, folder: Path) -> dict:
     """GPU kernel time per step of one timed variant (``step_profile``),
-    printed with its top kernels; returns the profile for the JSON."""
+    printed with its top kernels; returns the profile for the JSON, with
+    ``"hlo"``: the path of the variant's optimized HLO (``program.hlo.txt`` in
+    ``folder``), where the fusions the profile names are defined."""
     from jax_moelora.step_profile import kernel_times
 
     prof = kernel_times(fn, state, h, ids, calls=calls, folder=folder)
+    hlo = folder / "program.hlo.txt"
+    hlo.write_text(fn.lower(state, h, ids).compile().as_text())
+    prof["hlo"] = str(hlo)
     top = ", ".join(f"{name[:60]} {us:.1f}" for name, us in
                     list(prof["per_call_us"].items())[:12])
     console.print(f"[bold]{label}[/]: kernels {prof['total_us']:.1f} µs per step, span "

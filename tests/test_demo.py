@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import jax
 import pytest
@@ -60,10 +61,11 @@ def test_timing_mode_prints_the_overhead(tmp_path, capsys):
 
 
 def test_timing_trace_splits_the_lora_overhead(tmp_path, capsys):
-    """``--timing --trace DIR``: each variant profiled once; on a GPU the LoRA
-    variants' kernel time over the base model is split into the library's
-    kernels, XLA's other kernels and idle gaps (on the CPU no GPU kernel is
-    traced, and there is nothing to split)."""
+    """``--timing --trace DIR``: each variant profiled once, its optimized HLO
+    written beside the profile; on a GPU the LoRA variants' kernel time over
+    the base model is split into the library's kernels, XLA's other kernels
+    and idle gaps (on the CPU no GPU kernel is traced, and there is nothing to
+    split)."""
     out = tmp_path / "timing.json"
     assert run_demo("--timing", "--size", "small", "--layers", "1", "--tokens", "8",
                     "--steps", "2", "--repeats", "2", "--trace", str(tmp_path / "trace"),
@@ -71,6 +73,9 @@ def test_timing_trace_splits_the_lora_overhead(tmp_path, capsys):
     results = json.loads(out.read_text())["results"]
     assert all("kernels" in r for r in results.values())
     lora = results["LoRA, 4 adapters over T tokens"]
+    hlo = Path(lora["kernels"]["hlo"])  # the optimized program the kernel names refer to
+    assert hlo.parent == tmp_path / "trace" / "variant2"
+    assert "HloModule" in hlo.read_text()
     if jax.default_backend() == "gpu":
         split = lora["overhead_split"]
         assert split["library_us"] > 0 and split["library"]
