@@ -9,13 +9,14 @@ rows and the gather fold for decode, rows sorted by expert and, within an
 expert, by adapter, and the grouped fold for prefill), computed once per call
 and shared by the expert folds.
 
-Folds per call with LoRA: the router's (one gather fold), gate and up
+Folds per call with LoRA: the router's (one gather fold); gate and up
 together (one fold of their ``StackedRoute``, ``MoELoRA.gate_up``: they read
 the same rows, so one launch folds both; on flat rows
 ``fold_token_projections`` interleaves them per token and reads ``x`` in
 place; on sorted rows the experts' ``first_stacked`` hands them over stacked
-``[2, rows, I]``, which ``expert_matmul`` writes in place), down (one fold); with shared experts, shared gate and up together and
-shared down (one gather fold each).
+``[2, rows, I]``, which ``expert_matmul`` writes in place); down (one fold);
+with shared experts, shared gate and up together and shared down (one gather
+fold each).
 """
 
 from __future__ import annotations
