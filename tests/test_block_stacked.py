@@ -22,7 +22,7 @@ from flax import nnx
 
 import _block_cases
 import jax_moelora.nnx.block as block_mod
-from jax_moelora import StackedRoute
+from jax_moelora import MoeExpertRoute, StackedRoute
 from jax_moelora.nnx import AdapterPool, DeepSeekV3, MoEBlock, StackedExpertLoRA
 from jax_moelora.peft import PeftAdapter
 
@@ -232,9 +232,14 @@ def test_routes_are_the_stored_arrays():
     for s, proj in enumerate(("gate", "up")):
         single = getattr(routes, proj)
         view_route = lora.projection(proj).route()
-        for name in StackedRoute.__slots__:
+        for name in MoeExpertRoute.__slots__:
             np.testing.assert_array_equal(np.asarray(getattr(single, name)),
                                           np.asarray(getattr(view_route, name)))
+    # the stored tables are the virtual route the decode fold reads, as they are
+    virtual = routes.gate_up.virtual()
+    assert virtual.a_table is routes.gate_up.a_cells
+    assert virtual.b_table is routes.gate_up.b_cells
+    assert virtual.scale_table is routes.gate_up.scales
     assert routes.shared_gate_up is None and routes.shared_gate is None
     with pytest.raises(AttributeError, match="no shared experts"):
         lora.shared_gate  # noqa: B018

@@ -208,8 +208,9 @@ def test_state_types_and_routes():
     assert isinstance(lora, MoELoRA)
     # gate and up share stacked variables; lora.gate / lora.up view one member
     assert isinstance(lora.gate_up.a_pool, nnx.LoRAParam)
-    assert isinstance(lora.gate_up.a_table, AdapterTable) and not isinstance(
-        lora.gate_up.a_table, nnx.Param)
+    assert isinstance(lora.gate_up.a_cells, AdapterTable) and not isinstance(
+        lora.gate_up.a_cells, nnx.Param)
+    assert lora.gate_up.a_cells.shape == (3, 2 * E)  # [L, S * E]: the fold's layout
     assert lora.gate_up.a_pool.shape == (2, 1 + 3 * E, 16, H)
     assert lora.gate_up.b_pool.shape == (2, 1 + 3 * E, I, 16)
     assert lora.gate_up.scale_table.shape == (2, 3, E)

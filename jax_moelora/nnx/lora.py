@@ -266,13 +266,18 @@ class StackedExpertLoRA(nnx.Module):
       n_experts, k_in, n_out, max_loras, max_rank, dtype, param_type: as
         :class:`ExpertLoRA`, common to the ``S`` projections.
 
-    State: ``a_pool [S, P, R, K]``, ``b_pool [S, P, N, R]`` (``param_type``),
-    ``a_table``/``b_table`` int32 ``[S, L, E_t]`` and ``scale_table``
-    float32 ``[S, L, E_t]`` (:class:`AdapterTable`); member ``s`` has the
-    pool layout of an :class:`ExpertLoRA` in its slices ``[s]``.
-    :meth:`route` hands the stored arrays to the folds as one ``StackedRoute``
-    (no copy); :meth:`view` gives one projection with the interface of an
-    :class:`ExpertLoRA` (its writes land in the stacked arrays).
+    State, in the layout of a ``StackedRoute`` (``ops/stacked.py``), which
+    the decode fold reads as stored: ``a_pool [S, P, R, K]``, ``b_pool [S, P,
+    N, R]`` (``param_type``; member ``s`` has the pool layout of an
+    :class:`ExpertLoRA` in ``[s]``), ``a_cells``/``b_cells`` int32 ``[L, S *
+    E_t]`` and ``scales`` float32 ``[L, S * E_t]`` (:class:`AdapterTable`;
+    column ``s * E_t + e`` is member ``s``'s expert ``e``, a pair in its pool
+    slot ``c`` stored as ``s * P + c``). ``a_table``, ``b_table`` and
+    ``scale_table`` are the per-member view ``[S, L, E_t]`` (computed).
+    :meth:`route` hands the stored arrays to the folds as one
+    ``StackedRoute`` (no copy); :meth:`view` gives one projection with the
+    interface of an :class:`ExpertLoRA` (its writes land in the stacked
+    arrays).
     """
 
     def __init__(self, names: Sequence[str], n_experts: int, k_in: int, n_out: int, *,
@@ -292,19 +297,36 @@ class StackedExpertLoRA(nnx.Module):
         R, L, E = self.max_rank, self.max_loras, self.n_experts
         self.a_pool = param_type(jnp.zeros((S, P, R, self.k_in), self.dtype))
         self.b_pool = param_type(jnp.zeros((S, P, self.n_out, R), self.dtype))
-        self.a_table = AdapterTable(jnp.zeros((S, L, E), jnp.int32))
-        self.b_table = AdapterTable(jnp.zeros((S, L, E), jnp.int32))
-        self.scale_table = AdapterTable(jnp.zeros((S, L, E), jnp.float32))
+        self.a_cells = AdapterTable(jnp.zeros((L, S * E), jnp.int32))
+        self.b_cells = AdapterTable(jnp.zeros((L, S * E), jnp.int32))
+        self.scales = AdapterTable(jnp.zeros((L, S * E), jnp.float32))
 
     @property
     def num_projections(self) -> int:
         return len(self.names)
+
+    @property
+    def pool_size(self) -> int:
+        return 1 + self.max_loras * self.n_experts
 
     def route(self) -> StackedRoute:
         """The ``S`` projections' ``StackedRoute``: the stored arrays, as they
         are (traceable; no stacking, no copy)."""
         return StackedRoute.tree_unflatten(None, [
             getattr(self, n)[...] for n in StackedRoute.__slots__])
+
+    # the per-member tables [S, L, E_t] (computed from the stored layout)
+    @property
+    def a_table(self) -> Array:
+        return self.route().a_table
+
+    @property
+    def b_table(self) -> Array:
+        return self.route().b_table
+
+    @property
+    def scale_table(self) -> Array:
+        return self.route().scale_table
 
     def view(self, projection: str | int) -> "ExpertLoRAView":
         """Projection ``projection`` (a name or an index into ``names``)."""
@@ -352,24 +374,70 @@ class StackedSlice:
                 f"{self.dtype}{list(self.shape)})")
 
 
+class MemberTable:
+    """Member ``index``'s table ``[L, E_t]`` of a :class:`StackedExpertLoRA`
+    (``name``: ``"a_table"``, ``"b_table"`` or ``"scale_table"``), read with
+    ``[idx]`` from the stored columns ``index * E_t ...`` (pool slots shifted
+    back to the member's own). Writes go through
+    :meth:`ExpertLoRAView.write_slot`."""
+
+    __slots__ = ("stack", "name", "index")
+
+    def __init__(self, stack: "StackedExpertLoRA", name: str, index: int):
+        self.stack, self.name, self.index = stack, name, int(index)
+
+    def __getitem__(self, idx: Any) -> Array:
+        return getattr(self.stack.route(), self.name)[self.index][idx]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.stack.max_loras, self.stack.n_experts)
+
+    @property
+    def dtype(self) -> Any:
+        return jnp.dtype(jnp.float32 if self.name == "scale_table" else jnp.int32)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def __repr__(self) -> str:
+        return f"MemberTable({self.name}[{self.index}], {self.dtype}{list(self.shape)})"
+
+
+#: A member's table name -> the stacked variable that stores it.
+_STORED_TABLE = {"a_table": "a_cells", "b_table": "b_cells", "scale_table": "scales"}
+
+
 class ExpertLoRAView(_SlotWriter):
     """One projection of a :class:`StackedExpertLoRA`, with the interface of
     an :class:`ExpertLoRA` (``write_slot``, ``clear_slot``, ``set_lora``,
     ``check``, ``route``, ``pool_slot``, the shape attributes).
 
-    ``a_pool``, ``b_pool``, ``a_table``, ``b_table`` and ``scale_table`` are
-    :class:`StackedSlice`\\ s: ``[...]`` reads or writes this projection's
-    slice of the stacked variable (``stack``, member ``index``).
+    ``a_pool`` and ``b_pool`` are :class:`StackedSlice`\\ s (``[...]`` reads
+    or writes member ``index`` of the stacked variable); ``a_table``,
+    ``b_table`` and ``scale_table`` are :class:`MemberTable`\\ s (``[...]``
+    reads the member's ``[L, E_t]`` table).
     """
 
     def __init__(self, stack: StackedExpertLoRA, index: int):
         self.stack, self.index, self.name = stack, int(index), stack.names[index]
         self.n_experts, self.k_in, self.n_out = stack.n_experts, stack.k_in, stack.n_out
         self.max_loras, self.max_rank, self.dtype = stack.max_loras, stack.max_rank, stack.dtype
-        for n in StackedRoute.__slots__:
-            setattr(self, n, StackedSlice(getattr(stack, n), self.index))
+        self.a_pool = StackedSlice(stack.a_pool, self.index)
+        self.b_pool = StackedSlice(stack.b_pool, self.index)
+        for n in _STORED_TABLE:
+            setattr(self, n, MemberTable(stack, n, self.index))
 
     def _write(self, name: str, block: np.ndarray, start: int) -> None:
+        if name in _STORED_TABLE:  # one table row [1, E_t] at row `start` (the slot)
+            if name != "scale_table":  # the member's slot c stored as index * P + c
+                P = self.pool_size
+                block = np.where((block > 0) & (block < P), block + self.index * P, 0)
+            var = getattr(self.stack, _STORED_TABLE[name])
+            var[...] = _set_block(var[...], block, _starts(start, self.index * self.n_experts,
+                                                           ndim=2))
+            return
         var = getattr(self.stack, name)
         var[...] = _set_block(var[...], block[None], _starts(self.index, start,
                                                              ndim=block.ndim + 1))

@@ -40,7 +40,7 @@ from jax_moelora.ops.contract import offsets_well_formed
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["GatherCfg", "GroupedCfg", "gather_op", "grouped_op", "match_varying", "varying_axes",
-           "virtual_ids", "virtual_route"]
+           "virtual_ids"]
 
 
 class GatherCfg(NamedTuple):
@@ -182,17 +182,6 @@ def virtual_ids(ids: jax.Array, member: jax.Array, n_experts: int) -> jax.Array:
     against ``ids``) as virtual experts ``member * n_experts + e``; ids
     outside ``[0, n_experts)`` become ``-1`` (they fold nothing)."""
     return jnp.where((ids >= 0) & (ids < n_experts), ids + member * n_experts, -1)
-
-
-def virtual_route(route) -> MoeExpertRoute:
-    """A ``StackedRoute`` of ``S`` projections as one ``MoeExpertRoute`` of
-    virtual experts: tables ``[L, S * E_t]`` (column ``s * E_t + e`` is
-    projection ``s``'s expert ``e``), pools ``[S * P, ...]`` with projection
-    ``s``'s slots offset by ``s * P``."""
-    leaves = [getattr(route, n) for n in MoeExpertRoute.__slots__]
-    return _virtual_route(MoeExpertRoute.tree_unflatten(None, leaves),
-                          MoeExpertRoute.tree_unflatten(None, [True] * len(leaves)),
-                          route.num_routes, route.n_experts)
 
 
 @functools.cache

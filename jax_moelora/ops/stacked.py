@@ -2,14 +2,19 @@
 
 Gate and up read the same ``x`` rows with the same expert ids and adapters;
 only their pools and tables differ. A :class:`StackedRoute` holds ``S`` such
-routes with a leading axis on every array (build it once, with
-:func:`stack_routes`, where the adapter state is built: stacking copies the
-pools; ``nnx.MoELoRA`` stores gate and up stacked, and its
-``routes().gate_up`` is a ``StackedRoute`` of the stored arrays). The folds accept it with ``base_out`` stacked the same way
-(``[S, rows, n_out]``) and return ``[S, rows, n_out]``; under the hood they
-``jax.vmap`` the single-route fold over ``S``, which the folds' batching rule
-(``ops/batching.py``) turns into one launch over virtual experts, bit-identical
-to ``S`` separate folds.
+routes, stored as the one route of "virtual experts" that a single launch
+folds (column ``s * E_t + e`` of its tables is projection ``s``'s expert
+``e``), so a fold converts nothing per call. Build it once, where the adapter
+state is built: with :func:`stack_routes` (which copies the pools), or as
+``nnx.MoELoRA`` does, which stores gate and up in this layout
+(``routes().gate_up`` is a ``StackedRoute`` of the stored arrays).
+
+The folds accept it with ``base_out`` stacked the same way (``[S, rows,
+n_out]``) and return ``[S, rows, n_out]``: the gather fold of interleaved
+token rows (``fold_token_projections``) reads the virtual route as stored;
+the other folds ``jax.vmap`` the single-route fold over the per-projection
+view, which the folds' batching rule (``ops/batching.py``) turns into one
+launch over virtual experts. Both are bit-identical to ``S`` separate folds.
 """
 
 from __future__ import annotations
@@ -26,27 +31,102 @@ __all__ = ["StackedRoute", "stack_routes", "fold_stacked"]
 
 @jax.tree_util.register_pytree_node_class
 class StackedRoute(SlotsPytree):
-    """``S`` projections' routes with equal shapes, stacked on a leading axis.
+    """``S`` projections' routes with equal shapes, stored as the one route of
+    virtual experts that the folds read (so a fold converts nothing per call).
 
-    Arrays: ``a_pool [S, P, R, K]``, ``b_pool [S, P, N, R]``, ``a_table``,
-    ``b_table`` int32 ``[S, L, E_t]``, ``scale_table`` f32 ``[S, L, E_t]``.
-    ``route(s)`` is projection ``s`` as a ``MoeExpertRoute``.
+    Leaves (the stored layout):
+
+    - ``a_pool [S, P, R, K]``, ``b_pool [S, P, N, R]``: projection ``s``'s
+      pools in ``[s]`` (read by the folds as ``[S * P, ...]``, a reshape);
+    - ``a_cells``, ``b_cells`` int32 ``[L, S * E_t]``: column ``s * E_t + e``
+      is projection ``s``'s expert ``e``; a pair in pool slot ``c`` of
+      projection ``s`` (``0 < c < P``) is stored as ``s * P + c``, no pair as
+      0;
+    - ``scales`` f32 ``[L, S * E_t]``, the same columns.
+
+    Build it with :func:`stack_routes` (from ``S`` routes) or
+    :meth:`from_tables` (from ``[S, ...]`` arrays). The per-projection view
+    is computed on request: ``a_table``, ``b_table``, ``scale_table`` (``[S,
+    L, E_t]``, each projection's own pool slots, 0 for no pair) and
+    ``route(s)``; :meth:`virtual` is the stored arrays as one
+    ``MoeExpertRoute``.
     """
 
-    __slots__ = MoeExpertRoute.__slots__
+    __slots__ = ("a_pool", "b_pool", "a_cells", "b_cells", "scales")
+
+    @classmethod
+    def from_tables(cls, a_pool: Any, b_pool: Any, a_table: Any, b_table: Any,
+                    scale_table: Any) -> "StackedRoute":
+        """From pools ``[S, P, ...]`` and per-projection tables ``[S, L, E_t]``
+        (a cell outside ``(0, P)`` is stored as "no pair")."""
+        a_pool, b_pool = jnp.asarray(a_pool), jnp.asarray(b_pool)
+        S, P = a_pool.shape[0], a_pool.shape[1]
+
+        def columns(t):  # [S, L, E] -> [L, S * E]
+            t = jnp.asarray(t)
+            return jnp.transpose(t, (1, 0, 2)).reshape(t.shape[1], S * t.shape[2])
+
+        def cells(t):
+            t = jnp.asarray(t, jnp.int32)
+            s = jnp.arange(S, dtype=jnp.int32)[:, None, None]
+            return columns(jnp.where((t > 0) & (t < P), t + s * P, 0).astype(jnp.int32))
+
+        return cls.tree_unflatten(None, [a_pool, b_pool, cells(a_table), cells(b_table),
+                                         columns(jnp.asarray(scale_table, jnp.float32))])
 
     @property
     def num_routes(self) -> int:
         return int(self.a_pool.shape[0])
 
     @property
+    def pool_size(self) -> int:
+        """``P``, the pool slots of each projection."""
+        return int(self.a_pool.shape[1])
+
+    @property
     def n_experts(self) -> int:
         """``E_t`` of every projection (the tables' length)."""
-        return int(self.a_table.shape[-1])
+        return int(self.a_cells.shape[-1]) // self.num_routes
+
+    @property
+    def max_loras(self) -> int:
+        return int(self.a_cells.shape[0])
+
+    def _per_projection(self, t: jax.Array, slots: bool) -> jax.Array:
+        S, E = self.num_routes, self.n_experts
+        t = jnp.transpose(t.reshape(t.shape[0], S, E), (1, 0, 2))      # [S, L, E]
+        if not slots:
+            return t
+        lo = (jnp.arange(S, dtype=jnp.int32) * self.pool_size)[:, None, None]
+        return jnp.where((t > lo) & (t < lo + self.pool_size), t - lo, 0).astype(jnp.int32)
+
+    @property
+    def a_table(self) -> jax.Array:
+        """int32 ``[S, L, E_t]``: each projection's A pool slots."""
+        return self._per_projection(self.a_cells, True)
+
+    @property
+    def b_table(self) -> jax.Array:
+        """int32 ``[S, L, E_t]``: each projection's B pool slots."""
+        return self._per_projection(self.b_cells, True)
+
+    @property
+    def scale_table(self) -> jax.Array:
+        """float32 ``[S, L, E_t]``."""
+        return self._per_projection(self.scales, False)
 
     def route(self, s: int) -> MoeExpertRoute:
-        """Projection ``s`` (a slice of every array)."""
-        return _single(tuple(getattr(self, n)[s] for n in self.__slots__))
+        """Projection ``s`` as a ``MoeExpertRoute`` (its own pool slots)."""
+        return _single(tuple(getattr(self, n)[s] for n in MoeExpertRoute.__slots__))
+
+    def virtual(self) -> MoeExpertRoute:
+        """The ``S`` projections as one ``MoeExpertRoute`` of virtual experts:
+        tables ``[L, S * E_t]``, pools ``[S * P, ...]`` (the stored arrays,
+        pools reshaped)."""
+        S, P = self.num_routes, self.pool_size
+        return _single((self.a_pool.reshape((S * P,) + tuple(self.a_pool.shape[2:])),
+                        self.b_pool.reshape((S * P,) + tuple(self.b_pool.shape[2:])),
+                        self.a_cells, self.b_cells, self.scales))
 
     def __repr__(self) -> str:
         return f"StackedRoute(S={self.num_routes}, {self.route(0)!r})"
@@ -70,15 +150,15 @@ def stack_routes(*routes: MoeExpertRoute) -> StackedRoute:
                             "MoeExpertRoute")
     first = routes[0]
     for i, r in enumerate(routes[1:], 1):
-        for name in StackedRoute.__slots__:
+        for name in MoeExpertRoute.__slots__:
             a, b = getattr(first, name), getattr(r, name)
             if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
                 raise ValueError(
                     f"stack_routes: route {i}'s {name} is {b.dtype}{list(b.shape)}, route 0's is "
                     f"{a.dtype}{list(a.shape)}; stacked routes need equal shapes (pad the pools and "
                     "tables to a common size)")
-    return StackedRoute.tree_unflatten(
-        None, [jnp.stack([getattr(r, n) for r in routes]) for n in StackedRoute.__slots__])
+    return StackedRoute.from_tables(
+        *[jnp.stack([getattr(r, n) for r in routes]) for n in MoeExpertRoute.__slots__])
 
 
 def fold_stacked(fn: str, fold: Callable[[Any, MoeExpertRoute], jax.Array], base_out: Any,
@@ -93,4 +173,4 @@ def fold_stacked(fn: str, fold: Callable[[Any, MoeExpertRoute], jax.Array], base
                          f"[{route.num_routes}, rows, n_out], got shape "
                          f"{None if shape is None else tuple(shape)}")
     return jax.vmap(lambda b, leaves: fold(b, _single(leaves)))(
-        base_out, tuple(getattr(route, n) for n in StackedRoute.__slots__))
+        base_out, tuple(getattr(route, n) for n in MoeExpertRoute.__slots__))
