@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 from _fold_cases import (DTYPE_IDS, DTYPES, make_gather_case, make_route, on_platform,
                          to_device)
@@ -93,6 +94,38 @@ def test_token_projections_equal_single_folds(impl, dtype, with_map, ids_dtype):
         if impl != "jnp":
             text = str(jax.make_jaxpr(fold)(bs, stack_routes(*rs)))
             assert text.count("ffi_call") == 1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cells_outside_the_pool_stay_outside_after_stacking(impl):
+    """A table cell outside its projection's pool, once stacked, still folds
+    nothing (each projection keeps the bits of its own fold), still reads as
+    outside the pool in the per-projection view (-1), and the checked mode
+    still refuses it."""
+    rng = np.random.default_rng(15)
+    routes = [make_route(rng, dtype=jnp.bfloat16, num_loras=3, pool_size=40, poison=False,
+                         out_of_pool=2) for _ in range(S)]
+    case = make_gather_case(rng, route=routes[0], top_k=4, num_tokens=24, x_gather=1,
+                            poison=False)
+    bases = np.stack([case.base_out, case.base_out[::-1]])
+    stacked = stack_routes(*routes)
+    for s in range(S):
+        for name in ("a_table", "b_table"):
+            own = np.asarray(getattr(routes[s], name))
+            want = np.where((own > 0) & (own < 40), own, np.where(own == 0, 0, -1))
+            np.testing.assert_array_equal(np.asarray(getattr(stacked, name)[s]), want)
+    topk = case.ids["indices"].reshape(24, 4)
+    with on_platform(impl):
+        x, ids, ra = to_device((case.x, topk, case.row_adapter))
+        rs = [to_device(r) for r in routes]
+        bs = tuple(jnp.asarray(b) for b in bases)
+        got = fold_token_projections(x, bs, ids, stack_routes(*rs), ra, impl=impl)
+        for s in range(S):
+            want = moe_lora_gather_bgmv(x, bs[s], ids.reshape(-1), rs[s], ra, top_k=4,
+                                        x_gather=1, impl=impl)
+            _check(got[s], want, impl)
+        with pytest.raises(checkify.JaxRuntimeError, match="outside the pool"):
+            fold_token_projections(x, bs, ids, stack_routes(*rs), ra, impl=impl, validate=True)
 
 
 def test_token_projections_check_their_arguments():

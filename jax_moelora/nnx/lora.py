@@ -33,7 +33,7 @@ from flax import nnx
 
 from jax_moelora.geometry import padded_rank
 from jax_moelora.peft import PROJECTIONS, AdapterFormatError, ProjectionLoRA
-from jax_moelora.ops.stacked import StackedRoute
+from jax_moelora.ops.stacked import StackedRoute, stored_cells
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = [
@@ -432,8 +432,7 @@ class ExpertLoRAView(_SlotWriter):
     def _write(self, name: str, block: np.ndarray, start: int) -> None:
         if name in _STORED_TABLE:  # one table row [1, E_t] at row `start` (the slot)
             if name != "scale_table":  # the member's slot c stored as index * P + c
-                P = self.pool_size
-                block = np.where((block > 0) & (block < P), block + self.index * P, 0)
+                block = stored_cells(block, self.index, self.pool_size)
             var = getattr(self.stack, _STORED_TABLE[name])
             var[...] = _set_block(var[...], block, _starts(start, self.index * self.n_experts,
                                                            ndim=2))

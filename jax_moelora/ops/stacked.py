@@ -41,13 +41,15 @@ class StackedRoute(SlotsPytree):
     - ``a_cells``, ``b_cells`` int32 ``[L, S * E_t]``: column ``s * E_t + e``
       is projection ``s``'s expert ``e``; a pair in pool slot ``c`` of
       projection ``s`` (``0 < c < P``) is stored as ``s * P + c``, no pair as
-      0;
+      0, and any other cell (outside the pool) as -1, which folds nothing and
+      which the checked mode (``validate=True``) still reports;
     - ``scales`` f32 ``[L, S * E_t]``, the same columns.
 
     Build it with :func:`stack_routes` (from ``S`` routes) or
     :meth:`from_tables` (from ``[S, ...]`` arrays). The per-projection view
     is computed on request: ``a_table``, ``b_table``, ``scale_table`` (``[S,
-    L, E_t]``, each projection's own pool slots, 0 for no pair) and
+    L, E_t]``, each projection's own pool slots, 0 for no pair, -1 for a
+    cell outside the pool) and
     ``route(s)``; :meth:`virtual` is the stored arrays as one
     ``MoeExpertRoute``.
     """
@@ -57,8 +59,7 @@ class StackedRoute(SlotsPytree):
     @classmethod
     def from_tables(cls, a_pool: Any, b_pool: Any, a_table: Any, b_table: Any,
                     scale_table: Any) -> "StackedRoute":
-        """From pools ``[S, P, ...]`` and per-projection tables ``[S, L, E_t]``
-        (a cell outside ``(0, P)`` is stored as "no pair")."""
+        """From pools ``[S, P, ...]`` and per-projection tables ``[S, L, E_t]``."""
         a_pool, b_pool = jnp.asarray(a_pool), jnp.asarray(b_pool)
         S, P = a_pool.shape[0], a_pool.shape[1]
 
@@ -67,9 +68,8 @@ class StackedRoute(SlotsPytree):
             return jnp.transpose(t, (1, 0, 2)).reshape(t.shape[1], S * t.shape[2])
 
         def cells(t):
-            t = jnp.asarray(t, jnp.int32)
-            s = jnp.arange(S, dtype=jnp.int32)[:, None, None]
-            return columns(jnp.where((t > 0) & (t < P), t + s * P, 0).astype(jnp.int32))
+            member = jnp.arange(S, dtype=jnp.int32)[:, None, None]
+            return columns(stored_cells(jnp.asarray(t, jnp.int32), member, P))
 
         return cls.tree_unflatten(None, [a_pool, b_pool, cells(a_table), cells(b_table),
                                          columns(jnp.asarray(scale_table, jnp.float32))])
@@ -98,7 +98,8 @@ class StackedRoute(SlotsPytree):
         if not slots:
             return t
         lo = (jnp.arange(S, dtype=jnp.int32) * self.pool_size)[:, None, None]
-        return jnp.where((t > lo) & (t < lo + self.pool_size), t - lo, 0).astype(jnp.int32)
+        own = jnp.where((t > lo) & (t < lo + self.pool_size), t - lo, -1)
+        return jnp.where(t == 0, 0, own).astype(jnp.int32)
 
     @property
     def a_table(self) -> jax.Array:
@@ -130,6 +131,15 @@ class StackedRoute(SlotsPytree):
 
     def __repr__(self) -> str:
         return f"StackedRoute(S={self.num_routes}, {self.route(0)!r})"
+
+
+def stored_cells(cells: Any, member: Any, pool_size: int) -> jax.Array:
+    """Member ``member``'s table cells (its own pool slots) as a
+    ``StackedRoute`` stores them: ``member * pool_size + c`` for a slot ``c``
+    in ``(0, pool_size)``, 0 for 0 (no pair), -1 for any other cell."""
+    inside = (cells > 0) & (cells < pool_size)
+    return jnp.where(cells == 0, 0, jnp.where(inside, cells + member * pool_size, -1)).astype(
+        jnp.int32)
 
 
 def _single(leaves) -> MoeExpertRoute:
