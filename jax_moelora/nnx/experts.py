@@ -183,15 +183,11 @@ def expert_matmul_pair(x: Array, ws: tuple[Array, ...], rows: ExpertRows, *,
             xs = x if plan.grouped else srt.to_plan_order(x)
         if plan.grouped:
             return _grouped_gemm(xs, tuple(ws), sizes, rows.gemm, stacked)
-        outs = tuple(srt.to_flat_order(o) for o in _grouped_gemm(xs, tuple(ws), sizes, rows.gemm))
-        return jnp.stack(outs) if stacked else outs
-    outs = []
-    for w in ws:
-        if x_gather:
-            out = _dense_tokens(x, w, plan.topk_ids)
-        else:
-            out = _dense_rows(plan.to_flat_order(x), w, plan.topk_ids)
-        outs.append(plan.to_plan_order(out))
+        outs = [srt.to_flat_order(o) for o in _grouped_gemm(xs, tuple(ws), sizes, rows.gemm)]
+    else:
+        outs = [plan.to_plan_order(_dense_tokens(x, w, plan.topk_ids) if x_gather else
+                                   _dense_rows(plan.to_flat_order(x), w, plan.topk_ids))
+                for w in ws]
     return jnp.stack(outs) if stacked else tuple(outs)
 
 

@@ -305,10 +305,6 @@ class StackedExpertLoRA(nnx.Module):
     def num_projections(self) -> int:
         return len(self.names)
 
-    @property
-    def pool_size(self) -> int:
-        return 1 + self.max_loras * self.n_experts
-
     def route(self) -> StackedRoute:
         """The ``S`` projections' ``StackedRoute``: the stored arrays, as they
         are (traceable; no stacking, no copy)."""
