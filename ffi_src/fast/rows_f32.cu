@@ -45,6 +45,21 @@ __device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
   return fmaf(a.w, b.w, acc);
 }
 
+// Column n's B row (R = 8 * RB floats) as 2 * RB 16-byte loads.
+template <int RB>
+__device__ __forceinline__ void load_b_row(float4* bv, const float* __restrict__ B, int64_t n) {
+#pragma unroll
+  for (int i = 0; i < 2 * RB; ++i) bv[i] = __ldg(reinterpret_cast<const float4*>(B + n * 8 * RB) + i);
+}
+
+// A's ranks p0 .. p0 + kRankPass - 1 at k .. k + 3 (16-byte loads).
+__device__ __forceinline__ void load_a_pass(float4 (&av)[kRankPass], const float* __restrict__ A,
+                                            int p0, int64_t K, int64_t k) {
+#pragma unroll
+  for (int j = 0; j < kRankPass; ++j)
+    av[j] = __ldg(reinterpret_cast<const float4*>(A + int64_t(p0 + j) * K + k));
+}
+
 // Fold one row: x [K], A [R, K], B [N, R] of its pair, output row orow,
 // columns [c0, c1). RB > 0: R == 8 * RB and 16-byte loads (K % 4 == 0,
 // aligned arrays); RB == 0: any R, element loads.
@@ -62,8 +77,7 @@ __device__ void f32_fold_row(const float* __restrict__ x, const float* __restric
   float4 bv[kVec ? 2 * RB : 1];
   float ov = 0.f;
   if (kVec && n < c1) {
-#pragma unroll
-    for (int i = 0; i < 2 * RB; ++i) bv[i] = __ldg(reinterpret_cast<const float4*>(B + n * R) + i);
+    load_b_row<RB>(bv, B, n);
     ov = orow[n];
   }
   for (int p0 = 0; p0 < R; p0 += kRankPass) {
@@ -74,9 +88,7 @@ __device__ void f32_fold_row(const float* __restrict__ x, const float* __restric
 #pragma unroll 2
       for (int64_t k = int64_t(tid) * 4; k < K; k += kF32Threads * 4) {
         float4 av[kRankPass];
-#pragma unroll
-        for (int j = 0; j < kRankPass; ++j)
-          av[j] = __ldg(reinterpret_cast<const float4*>(A + int64_t(p0 + j) * K + k));
+        load_a_pass(av, A, p0, K, k);
         const float4 xv = __ldg(reinterpret_cast<const float4*>(x + k));
 #pragma unroll
         for (int j = 0; j < kRankPass; ++j) acc[j] = dot4(av[j], xv, acc[j]);
@@ -117,9 +129,7 @@ __device__ void f32_fold_row(const float* __restrict__ x, const float* __restric
       orow[n] = fold_add(ov, scale, acc);
       if (n + kF32Threads < c1) {
         const int64_t m = n + kF32Threads;
-#pragma unroll
-        for (int i = 0; i < 2 * RB; ++i)
-          bv[i] = __ldg(reinterpret_cast<const float4*>(B + m * R) + i);
+        load_b_row<RB>(bv, B, m);
         ov = orow[m];
       }
     } else {
@@ -148,8 +158,7 @@ __device__ void f32_fold_rows(const float* const* x, const float* __restrict__ A
   float4 bv[2 * RB];
   float ov[G];
   if (n < c1) {
-#pragma unroll
-    for (int i = 0; i < 2 * RB; ++i) bv[i] = __ldg(reinterpret_cast<const float4*>(B + n * R) + i);
+    load_b_row<RB>(bv, B, n);
 #pragma unroll
     for (int g = 0; g < G; ++g)
       if (g < nrows) ov[g] = orow[g][n];
@@ -159,9 +168,7 @@ __device__ void f32_fold_rows(const float* const* x, const float* __restrict__ A
 #pragma unroll 2
     for (int64_t k = int64_t(tid) * 4; k < K; k += kF32Threads * 4) {
       float4 av[kRankPass];
-#pragma unroll
-      for (int j = 0; j < kRankPass; ++j)
-        av[j] = __ldg(reinterpret_cast<const float4*>(A + int64_t(p0 + j) * K + k));
+      load_a_pass(av, A, p0, K, k);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         if (g < nrows) {
@@ -207,8 +214,7 @@ __device__ void f32_fold_rows(const float* const* x, const float* __restrict__ A
     }
     if (n + kF32Threads < c1) {
       const int64_t m = n + kF32Threads;
-#pragma unroll
-      for (int i = 0; i < 2 * RB; ++i) bv[i] = __ldg(reinterpret_cast<const float4*>(B + m * R) + i);
+      load_b_row<RB>(bv, B, m);
 #pragma unroll
       for (int g = 0; g < G; ++g)
         if (g < nrows) ov[g] = orow[g][m];
