@@ -70,7 +70,33 @@ __device__ __forceinline__ int64_t row_expert(const int32_t* offsets, int64_t E,
   return lo;
 }
 
-template <DType D>
+// The B fragments of one segment for a chunk: RK 16-rank steps of the
+// mma's B operand (lane (g, t): column c0 + 8 (w + kExpWarps u) + g, ranks
+// 16 kq + 4t .. + 3), zero past the rank or the last column.
+template <int RK>
+struct BFrags {
+  uint2 v[RK > 0 ? RK : 1][kExpNTiles];
+
+  __device__ __forceinline__ void load(const uint16_t* b_pool, int slot, int64_t c0, int64_t N,
+                                       int R, int w, int g, int t) {
+    const uint16_t* B = b_pool + int64_t(slot) * N * R;
+#pragma unroll
+    for (int kq = 0; kq < (RK > 0 ? RK : 1); ++kq) {
+      const bool kv = 16 * kq + 4 * t < R;  // R % 8 == 0: the 4 ranks are all in or all out
+#pragma unroll
+      for (int u = 0; u < kExpNTiles; ++u) {
+        const int64_t n = c0 + 8 * (w + kExpWarps * u) + g;
+        v[kq][u] = kv && n < N ? __ldg(reinterpret_cast<const uint2*>(B + n * R + 16 * kq + 4 * t))
+                               : make_uint2(0u, 0u);
+      }
+    }
+  }
+};
+
+// RK: rank steps of 16 with the B fragments held per segment (1-3: R <= 48;
+// at 4 the kernel spills under its 3-CTA register budget), or 0: loaded per
+// 16-slot tile (any rank).
+template <DType D, int RK>
 __global__ void __launch_bounds__(kExpThreads, kExpResident)
     grouped_expand_kernel(const ExpandParams p) {
   extern __shared__ __align__(128) char smem[];
@@ -173,28 +199,49 @@ __global__ void __launch_bounds__(kExpThreads, kExpResident)
     issue(i + kExpStages - 1);        // into the stage chunk i - 1 used
     const int64_t c0 = int64_t(blockIdx.y + i * gridDim.y) * kExpCols;
     uint16_t* st = s_out + (i % kExpStages) * kExpStage;
+    // RK > 0: a segment's B fragments (RK 16-rank steps) are loaded once for
+    // all its 16-slot tiles, the next segment's while this one folds
+    BFrags<RK> cur, nxt;
+    if constexpr (RK > 0) cur.load(b_pool, s_b[s_row[s_seg[0]]], c0, N, R, w, g, t);
     for (int sg = 0; sg < n_seg; ++sg) {
       const int s0 = s_seg[sg], s1 = s_seg[sg + 1];
       const uint16_t* B = b_pool + int64_t(s_b[s_row[s0]]) * N * R;
+      if constexpr (RK > 0) {
+        if (sg + 1 < n_seg) nxt.load(b_pool, s_b[s_row[s_seg[sg + 1]]], c0, N, R, w, g, t);
+      }
       for (int mt = s0 / 16; mt * 16 < s1; ++mt) {
         float acc[kExpNTiles][4];
 #pragma unroll
         for (int u = 0; u < kExpNTiles; ++u)
 #pragma unroll
           for (int k = 0; k < 4; ++k) acc[u][k] = 0.f;
-        for (int ks = 0; ks < p.r16; ks += 16) {
-          // k order within the step: lane t holds ranks ks + 4t .. ks + 4t + 3
-          const uint2 xlo =
-              *reinterpret_cast<const uint2*>(s_xa + (mt * 16 + g) * xs + ks + 4 * t);
-          const uint2 xhi =
-              *reinterpret_cast<const uint2*>(s_xa + (mt * 16 + g + 8) * xs + ks + 4 * t);
-          const bool kv = ks + 4 * t < R;  // R % 8 == 0: the 4 ranks are all in or all out
+        if constexpr (RK > 0) {
 #pragma unroll
-          for (int u = 0; u < kExpNTiles; ++u) {
-            const int64_t n = c0 + 8 * (w + kExpWarps * u) + g;
-            uint2 bv = make_uint2(0u, 0u);
-            if (kv && n < N) bv = __ldg(reinterpret_cast<const uint2*>(B + n * R + ks + 4 * t));
-            Mma<D>::run(acc[u], xlo.x, xhi.x, xlo.y, xhi.y, bv.x, bv.y);
+          for (int kq = 0; kq < RK; ++kq) {
+            const int ks = 16 * kq;
+            const uint2 xlo =
+                *reinterpret_cast<const uint2*>(s_xa + (mt * 16 + g) * xs + ks + 4 * t);
+            const uint2 xhi =
+                *reinterpret_cast<const uint2*>(s_xa + (mt * 16 + g + 8) * xs + ks + 4 * t);
+#pragma unroll
+            for (int u = 0; u < kExpNTiles; ++u)
+              Mma<D>::run(acc[u], xlo.x, xhi.x, xlo.y, xhi.y, cur.v[kq][u].x, cur.v[kq][u].y);
+          }
+        } else {
+          for (int ks = 0; ks < p.r16; ks += 16) {
+            // k order within the step: lane t holds ranks ks + 4t .. ks + 4t + 3
+            const uint2 xlo =
+                *reinterpret_cast<const uint2*>(s_xa + (mt * 16 + g) * xs + ks + 4 * t);
+            const uint2 xhi =
+                *reinterpret_cast<const uint2*>(s_xa + (mt * 16 + g + 8) * xs + ks + 4 * t);
+            const bool kv = ks + 4 * t < R;  // R % 8 == 0: the 4 ranks are all in or all out
+#pragma unroll
+            for (int u = 0; u < kExpNTiles; ++u) {
+              const int64_t n = c0 + 8 * (w + kExpWarps * u) + g;
+              uint2 bv = make_uint2(0u, 0u);
+              if (kv && n < N) bv = __ldg(reinterpret_cast<const uint2*>(B + n * R + ks + 4 * t));
+              Mma<D>::run(acc[u], xlo.x, xhi.x, xlo.y, xhi.y, bv.x, bv.y);
+            }
           }
         }
         // c0, c1: slot mt*16 + g, columns 2t, 2t+1; c2, c3: slot + 8
@@ -217,6 +264,7 @@ __global__ void __launch_bounds__(kExpThreads, kExpResident)
           }
         }
       }
+      if constexpr (RK > 0) cur = nxt;
     }
     __syncthreads();
 #pragma unroll
@@ -242,7 +290,10 @@ cudaError_t grouped_expand(const GroupedArgs& a, int64_t lo, int64_t hi, cudaStr
   p.xs = p.r16 + 8;
   p.chunks = int((a.N + kExpCols - 1) / kExpCols);
   const ExpandLayout lay(p.xs);
-  auto kernel = grouped_expand_kernel<D>;
+  void (*kernel)(ExpandParams) = p.r16 == 16   ? grouped_expand_kernel<D, 1>
+                                 : p.r16 == 32 ? grouped_expand_kernel<D, 2>
+                                 : p.r16 == 48 ? grouped_expand_kernel<D, 3>
+                                               : grouped_expand_kernel<D, 0>;
   if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(kernel), lay.total);
       err != cudaSuccess)
     return err;
