@@ -478,11 +478,13 @@ def test_fast_grouped_kernels_match_reference(rng, impl, dtype, x_gather, shape)
            ref=case.reference(row_offset=lo, row_end=hi))
 
 
-# launch_gather_fast takes the rows kernel when the rows' A/B reads, rows * R *
+# launch_gather_fast takes the rows kernels when the rows' A/B reads, rows * R *
 # (K + N) * 2, are <= 48 MiB, or <= 96 MiB with rows < 2 * min(rows, L * E_t),
 # else the cells kernels: the "cells" shapes are several rows per cell and
-# 100-190 MB of per-row A/B reads. Rows per CTA (H200, 132 SMs): 4 from 740
-# rows (2 CTAs an SM, R <= 32) or 370 (R = 40), 2 from 370 or 185.
+# 100-190 MB of per-row A/B reads. Of the rows kernels (H200, 132 SMs), the
+# staged one takes R <= 32, N <= 2048 and at least 264 rows (the "staged"
+# shapes: runs of 4 and 8 rows a CTA, a shorter last run); the other gives a
+# CTA 4 rows from 370 (R = 40, one CTA an SM), 2 from 185, else 1.
 _CELLS_KN = dict(k_in=2048, n_out=1028)
 
 
@@ -491,23 +493,24 @@ _CELLS_KN = dict(k_in=2048, n_out=1028)
     dict(num_tokens=1, top_k=8, n_experts=64, num_loras=1),     # T = 1
     dict(num_tokens=8, top_k=2, n_experts=64, num_loras=4, ranks=(24, 40), max_rank=40),
     dict(num_tokens=64, top_k=2, n_experts=4, num_loras=2),     # few rows, 16 per cell: rows
-    dict(num_tokens=171, top_k=3, n_experts=64, num_loras=4),   # 513 rows: 2 a CTA, a tail CTA
-    dict(num_tokens=477, top_k=2, n_experts=64, num_loras=4),   # 954 rows: 4 a CTA, a tail CTA
+    dict(num_tokens=171, top_k=3, n_experts=64, num_loras=4),   # 513 rows: staged, 4 a CTA
+    dict(num_tokens=477, top_k=2, n_experts=64, num_loras=4),   # 954 rows: staged, 8 a CTA
     dict(num_tokens=101, top_k=3, n_experts=64, num_loras=4, ranks=(24, 40), max_rank=40),
+    dict(num_tokens=201, top_k=2, n_experts=64, num_loras=4, ranks=(24, 40), max_rank=40),
     dict(num_tokens=512, top_k=2, n_experts=4, num_loras=2, **_CELLS_KN),  # cells kernel
     dict(num_tokens=160, top_k=4, n_experts=8, num_loras=3, ranks=(24, 40), max_rank=48,
          **_CELLS_KN),
-], ids=["rows", "rows-T1", "rows-R40", "rows-L2-small", "rows-2", "rows-4", "rows-2-R40", "cells",
-        "cells-R48"])
+], ids=["rows", "rows-T1", "rows-R40", "rows-L2-small", "staged-4", "staged-8", "rows-2-R40",
+        "rows-4-R40", "cells", "cells-R48"])
 @pytest.mark.parametrize("x_gather", [0, 1])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("impl", [pytest.param("fast", marks=GPU)])
 def test_fast_gather_kernels_match_reference(rng, impl, dtype, x_gather, shape):
-    """Both fast decode kernels (launch_gather_fast picks rows or cells by the
-    rows per (adapter, expert) cell and the rows' A/B bytes; the rows kernel
-    gives a CTA 1, 2 or 4 rows by the number of rows), with output
-    widths that are not a multiple of the 16-byte vectors, against the
-    reference."""
+    """Every fast decode kernel (launch_gather_fast picks rows or cells by the
+    rows per (adapter, expert) cell and the rows' A/B bytes; of the rows
+    kernels, the staged one from two rows an SM, the other giving a CTA 1, 2
+    or 4 rows by the number of rows), with output widths that are not a
+    multiple of the 16-byte vectors, against the reference."""
     shape = dict(shape)
     kw = dict(ranks=shape.pop("ranks", (8, 16)), max_rank=shape.pop("max_rank", 16),
               k_in=shape.pop("k_in", 256), n_out=shape.pop("n_out", 200))

@@ -1,20 +1,31 @@
-// Decode fold, one CTA per (row, column chunk) on the CUDA cores (bf16 / f16):
-// the kernel for batches whose cells hold about one row each, where grouping
-// rows buys nothing (launch_gather_fast's heuristic, decode_cells.cu).
+// Decode fold on the CUDA cores (bf16 / f16) for batches whose cells hold
+// about one row each, where grouping rows buys nothing (launch_gather_fast's
+// heuristic, decode_cells.cu). Two kernels, the same arithmetic per row:
 //
-// A decode row is a matrix-vector product bound by the latency of its loads,
-// so the kernel is written to wait on as few dependent round trips as
-// possible: the row's adapter and expert id (one trip), its pair (a second),
-// then everything else at once:
-//   - the thread's first 4 output columns (8 bytes of base_out) and their B
-//     rows (the rank is a template argument, so every load is unrolled);
+// gather_rows_staged_kernel, when every SM gets at least two rows and two
+// rows' A, x and B fit in shared memory (Qwen3 and DeepSeek at T = 64, rank
+// <= 32): a CTA per SM owns a run of consecutive rows, resolves their routing
+// at once, then streams each folding row's A block, x row and B block into
+// shared memory with bulk asynchronous copies (TMA), two rows ahead, while it
+// folds the current one; base_out columns are loaded a row ahead into
+// registers. The bytes in flight need no registers, so an SM keeps two rows'
+// loads going at one CTA.
+//
+// gather_rows_kernel, otherwise (T <= 16, larger ranks or widths): one CTA
+// per 1, 2 or 4 rows, or per (row, column chunk). A decode row is a
+// matrix-vector product bound by the latency of its loads, so the kernel
+// waits on as few dependent round trips as possible: the row's adapter and
+// expert id (one trip), its pair (a second), then everything else at once:
+// the thread's first 4 output columns (8 bytes of base_out) and their B rows
+// (the rank is a template argument, so every load is unrolled), A and x.
+//
+// Per row, in both:
 //   - shrink: thread t owns the 8-wide K pieces 8t, 8t + 2048, ...; all the
 //     ranks of a pass (16) are loaded together with the x piece (16-byte
 //     loads), summed in k order per thread, then a fixed butterfly per warp
 //     and the 8 warp sums in warp order; xa is rounded into shared memory;
 //   - expand: delta = round(xa . B[n]) in rank order, out = round(out +
-//     scale * delta), one 8-byte store; further column rounds (N > 1024)
-//     load their operands one trip at a time.
+//     scale * delta).
 
 #include "fast/fast_common.cuh"
 
@@ -37,6 +48,76 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
     acc = fmaf(h2f<D>(uint16_t(av[i] >> 16)), h2f<D>(uint16_t(bv[i] >> 16)), acc);
   }
   return acc;
+}
+
+// 16 bytes of a row's operands, from global memory (read-only path) or
+// from shared memory.
+template <bool kSmem>
+__device__ __forceinline__ uint4 ld16(const uint16_t* p) {
+  if constexpr (kSmem) return *reinterpret_cast<const uint4*>(p);
+  else return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+// The shrink of one row, xa = round(A x) into s_xa (A [R, K], x [K], in
+// global or shared memory): thread t owns the 8-wide K pieces 8t, 8t + 2048,
+// ...; the ranks of a pass are loaded together with the x piece and summed
+// in k order per thread, then a fixed butterfly per warp and the warp sums
+// in warp order. Both rows kernels fold through it, so a row gets the same
+// bits from either. Called by all threads; ends with a barrier.
+template <DType D, int RB, bool kSmem>
+__device__ __forceinline__ void shrink_row(const uint16_t* A, const uint16_t* x, int64_t K,
+                                           float (&s_part)[kRowWarps][8 * RB],
+                                           float (&s_xa)[8 * RB]) {
+  constexpr int R = 8 * RB;
+  constexpr int RP = R % 16 == 0 ? 16 : 8;  // ranks per shrink pass
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+#pragma unroll
+  for (int p0 = 0; p0 < R; p0 += RP) {
+    float acc[RP];
+#pragma unroll
+    for (int j = 0; j < RP; ++j) acc[j] = 0.f;
+    for (int64_t k = int64_t(tid) * 8; k < K; k += kRowThreads * 8) {
+      uint4 av[RP];
+#pragma unroll
+      for (int j = 0; j < RP; ++j) av[j] = ld16<kSmem>(A + int64_t(p0 + j) * K + k);
+      const uint4 xv = ld16<kSmem>(x + k);
+#pragma unroll
+      for (int j = 0; j < RP; ++j) acc[j] = dot8<D>(av[j], xv, acc[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < RP; ++j) {
+#pragma unroll
+      for (int s = 16; s > 0; s >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], s);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int j = 0; j < RP; ++j) s_part[w][p0 + j] = acc[j];
+    }
+  }
+  __syncthreads();
+  if (tid < R) {
+    float v = s_part[0][tid];
+#pragma unroll
+    for (int ww = 1; ww < kRowWarps; ++ww) v += s_part[ww][tid];
+    s_xa[tid] = h2f<D>(f2h<D>(v));
+  }
+  __syncthreads();
+}
+
+// One output column's delta, round(xa . B[n]) in rank order (b: B[n]).
+template <DType D, int RB>
+__device__ __forceinline__ float expand_col(const uint4 (&b)[RB], const float (&xa)[8 * RB]) {
+  float acc = 0.f;
+#pragma unroll
+  for (int r = 0; r < RB; ++r) {
+    const uint32_t bw[4] = {b[r].x, b[r].y, b[r].z, b[r].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      acc = fmaf(xa[8 * r + 2 * i], h2f<D>(uint16_t(bw[i] & 0xffffu)), acc);
+      acc = fmaf(xa[8 * r + 2 * i + 1], h2f<D>(uint16_t(bw[i] >> 16)), acc);
+    }
+  }
+  return h2f<D>(f2h<D>(acc));
 }
 
 // The operands of one round of a thread's output columns [col, col + 4).
@@ -73,8 +154,7 @@ __device__ __forceinline__ void fold_row(const GatherArgs& a, int64_t row, const
                                          float (&s_part)[kRowWarps][8 * RB],
                                          float (&s_xa)[8 * RB]) {
   constexpr int R = 8 * RB;
-  constexpr int RP = R % 16 == 0 ? 16 : 8;  // ranks per shrink pass
-  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int tid = threadIdx.x;
   const int64_t K = a.K, N = a.N;
   uint16_t* orow = static_cast<uint16_t*>(a.out) + row * N;
   const uint16_t* B = static_cast<const uint16_t*>(a.b_pool) + int64_t(pair.b) * N * R;
@@ -86,58 +166,15 @@ __device__ __forceinline__ void fold_row(const GatherArgs& a, int64_t row, const
   const uint16_t* x =
       static_cast<const uint16_t*>(a.x) + (a.x_gather ? row / a.top_k : row) * K;
   const uint16_t* A = static_cast<const uint16_t*>(a.a_pool) + int64_t(pair.a) * R * K;
-#pragma unroll
-  for (int p0 = 0; p0 < R; p0 += RP) {
-    float acc[RP];
-#pragma unroll
-    for (int j = 0; j < RP; ++j) acc[j] = 0.f;
-    for (int64_t k = int64_t(tid) * 8; k < K; k += kRowThreads * 8) {
-      uint4 av[RP];
-#pragma unroll
-      for (int j = 0; j < RP; ++j)
-        av[j] = __ldg(reinterpret_cast<const uint4*>(A + int64_t(p0 + j) * K + k));
-      const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + k));
-#pragma unroll
-      for (int j = 0; j < RP; ++j) acc[j] = dot8<D>(av[j], xv, acc[j]);
-    }
-#pragma unroll
-    for (int j = 0; j < RP; ++j) {
-#pragma unroll
-      for (int s = 16; s > 0; s >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], s);
-    }
-    if (lane == 0) {
-#pragma unroll
-      for (int j = 0; j < RP; ++j) s_part[w][p0 + j] = acc[j];
-    }
-  }
-  __syncthreads();
-  if (tid < R) {
-    float v = s_part[0][tid];
-#pragma unroll
-    for (int ww = 1; ww < kRowWarps; ++ww) v += s_part[ww][tid];
-    s_xa[tid] = h2f<D>(f2h<D>(v));
-  }
-  __syncthreads();
+  shrink_row<D, RB, false>(A, x, K, s_part, s_xa);
   float xa[R];
 #pragma unroll
   for (int j = 0; j < R; ++j) xa[j] = s_xa[j];
 
   while (col < c1) {
 #pragma unroll
-    for (int c = 0; c < kRowCols; ++c) {
-      float acc = 0.f;
-#pragma unroll
-      for (int r = 0; r < RB; ++r) {
-        const uint32_t bw[4] = {ops.b[c][r].x, ops.b[c][r].y, ops.b[c][r].z, ops.b[c][r].w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          acc = fmaf(xa[8 * r + 2 * i], h2f<D>(uint16_t(bw[i] & 0xffffu)), acc);
-          acc = fmaf(xa[8 * r + 2 * i + 1], h2f<D>(uint16_t(bw[i] >> 16)), acc);
-        }
-      }
-      const float delta = h2f<D>(f2h<D>(acc));
-      ops.o[c] = f2h<D>(fold_add(h2f<D>(ops.o[c]), pair.scale, delta));
-    }
+    for (int c = 0; c < kRowCols; ++c)
+      ops.o[c] = f2h<D>(fold_add(h2f<D>(ops.o[c]), pair.scale, expand_col<D, RB>(ops.b[c], xa)));
     if (nvec && col + kRowCols <= c1) {
       uint2 v;
       memcpy(&v, ops.o, 8);
@@ -178,6 +215,131 @@ __global__ void __launch_bounds__(kRowThreads, MINB) gather_rows_kernel(const Ga
     if (s_ok[j]) fold_row<D, RB>(a, row0 + j, s_pair[j], chunk_w, nvec, s_part, s_xa);
 }
 
+// The staged rows kernel: a CTA per SM owns a run of consecutive rows and
+// streams each folding row's A block, x row and B block into shared memory
+// with bulk asynchronous copies, kStagedStages rows ahead, so the copies of
+// the next rows are in flight (without registers) while the CTA folds one;
+// each thread's base_out columns are loaded one row ahead into registers.
+// Thread t owns output columns t, t + 256, ... (reading B from shared memory
+// with 2-way bank conflicts); the arithmetic is shrink_row's and
+// expand_col's, so a row gets the same bits as from gather_rows_kernel.
+constexpr int kStagedStages = 2;
+constexpr int kStagedMaxRows = 64;                        // rows a CTA resolves at once
+constexpr int kStagedMaxCols = 8;                         // columns a thread (N <= 2048)
+constexpr int kStagedMaxSmem = 224 * 1024;  // dynamic bytes: 227 KiB a CTA, 3 KiB static aside
+
+struct StagedLayout {  // one stage: A [R, K], x [K], B [N, R] (16-bit, 16-byte multiples)
+  int64_t a_bytes, x_bytes, b_bytes, stage;
+  __host__ __device__ StagedLayout(int64_t R, int64_t K, int64_t N)
+      : a_bytes(2 * R * K), x_bytes(2 * K), b_bytes(2 * N * R),
+        stage(a_bytes + x_bytes + b_bytes) {}
+};
+
+template <DType D, int RB>
+__global__ void __launch_bounds__(kRowThreads, 1)
+    gather_rows_staged_kernel(const GatherArgs a, int rows_per_cta) {
+  constexpr int R = 8 * RB;
+  extern __shared__ __align__(128) char smem[];
+  __shared__ float s_part[kRowWarps][R];
+  __shared__ float s_xa[R];
+  __shared__ Pair s_pair[kStagedMaxRows];
+  __shared__ int64_t s_row[kStagedMaxRows];
+  __shared__ int s_count[2];
+  __shared__ __align__(8) uint64_t s_full[kStagedStages];
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int64_t K = a.K, N = a.N;
+  const StagedLayout lay(R, K, N);
+
+  // 1. the routing of the CTA's rows (two round trips); the folding ones
+  // listed in row order (a ballot per warp)
+  const int64_t row0 = int64_t(blockIdx.x) * rows_per_cta;
+  bool ok = false;
+  Pair pair{0, 0, 0.f};
+  if (tid < kStagedMaxRows) {
+    const int64_t row = row0 + tid;
+    int l, e;
+    ok = tid < rows_per_cta && row < a.n_slots && gather_row_cell(a, row, &l, &e) &&
+         resolve_pair(a.route, l, e, &pair);
+  }
+  const unsigned mask = __ballot_sync(0xffffffffu, ok);
+  if (tid < kStagedMaxRows && lane == 0) s_count[w] = __popc(mask);
+  if (tid == 0) {
+    for (int st = 0; st < kStagedStages; ++st) mbar_init(&s_full[st], 1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+  const int n = s_count[0] + s_count[1];
+  if (ok) {
+    const int at = (w == 1 ? s_count[0] : 0) + __popc(mask & ((1u << lane) - 1u));
+    s_pair[at] = pair;
+    s_row[at] = row0 + tid;
+  }
+  __syncthreads();
+  if (n == 0) return;  // uniform
+
+  // 2. the rows, kStagedStages in flight
+  auto issue = [&](int i) {  // thread 0: row i's bytes into stage i % kStagedStages
+    char* st = smem + (i % kStagedStages) * lay.stage;
+    const int64_t row = s_row[i];
+    const Pair pr = s_pair[i];
+    uint64_t* bar = &s_full[i % kStagedStages];
+    mbar_expect_tx(bar, unsigned(lay.stage));
+    bulk_g2s(st, static_cast<const uint16_t*>(a.a_pool) + int64_t(pr.a) * R * K,
+             unsigned(lay.a_bytes), bar);
+    bulk_g2s(st + lay.a_bytes,
+             static_cast<const uint16_t*>(a.x) + (a.x_gather ? row / a.top_k : row) * K,
+             unsigned(lay.x_bytes), bar);
+    bulk_g2s(st + lay.a_bytes + lay.x_bytes,
+             static_cast<const uint16_t*>(a.b_pool) + int64_t(pr.b) * N * R,
+             unsigned(lay.b_bytes), bar);
+  };
+  if (tid == 0)
+    for (int i = 0; i < kStagedStages && i < n; ++i) issue(i);
+  uint16_t* out = static_cast<uint16_t*>(a.out);
+  uint16_t o_cur[kStagedMaxCols], o_nxt[kStagedMaxCols];
+  auto load_o = [&](uint16_t (&o)[kStagedMaxCols], int i) {
+    const uint16_t* orow = out + s_row[i] * N;
+#pragma unroll
+    for (int m = 0; m < kStagedMaxCols; ++m) {
+      const int64_t col = tid + int64_t(m) * kRowThreads;
+      o[m] = col < N ? orow[col] : uint16_t(0);
+    }
+  };
+  load_o(o_cur, 0);
+#pragma unroll 1
+  for (int i = 0; i < n; ++i) {
+    if (i + 1 < n) load_o(o_nxt, i + 1);
+    const char* st = smem + (i % kStagedStages) * lay.stage;
+    const uint16_t* sA = reinterpret_cast<const uint16_t*>(st);
+    const uint16_t* sx = reinterpret_cast<const uint16_t*>(st + lay.a_bytes);
+    const uint16_t* sB = reinterpret_cast<const uint16_t*>(st + lay.a_bytes + lay.x_bytes);
+    mbar_wait(&s_full[i % kStagedStages], unsigned(i / kStagedStages) & 1u);
+    shrink_row<D, RB, true>(sA, sx, K, s_part, s_xa);
+    float xa[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) xa[j] = s_xa[j];
+    const float scale = s_pair[i].scale;
+    uint16_t* orow = out + s_row[i] * N;
+#pragma unroll
+    for (int m = 0; m < kStagedMaxCols; ++m) {
+      const int64_t col = tid + int64_t(m) * kRowThreads;
+      if (col < N) {
+        uint4 b[RB];
+#pragma unroll
+        for (int r = 0; r < RB; ++r) b[r] = ld16<true>(sB + col * R + 8 * r);
+        orow[col] = f2h<D>(fold_add(h2f<D>(o_cur[m]), scale, expand_col<D, RB>(b, xa)));
+      }
+    }
+    __syncthreads();  // stage i % kStagedStages read by every thread
+    if (tid == 0 && i + kStagedStages < n) {
+      fence_proxy_async_smem();
+      issue(i + kStagedStages);
+    }
+#pragma unroll
+    for (int m = 0; m < kStagedMaxCols; ++m) o_cur[m] = o_nxt[m];
+  }
+}
+
 // CTAs per SM a rank's kernel is compiled for (its register budget, 128 a
 // thread for two): two up to rank 32, one above (ranks 40-64 need more than
 // 128 registers to keep their loads in flight without spilling). Measured on
@@ -213,6 +375,43 @@ cudaError_t rows_dtype(const GatherArgs& a, dim3 grid, int rpc, int64_t chunk_w,
   }
 }
 
+template <DType D, int RB>
+cudaError_t staged_rb(const GatherArgs& a, cudaStream_t stream) {
+  auto kernel = gather_rows_staged_kernel<D, RB>;
+  const int smem = int(kStagedStages * StagedLayout(a.R, a.K, a.N).stage);
+  if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(kernel), smem);
+      err != cudaSuccess)
+    return err;
+  const int64_t ctas = std::max<int64_t>(sm_count(), (a.n_slots + kStagedMaxRows - 1) / kStagedMaxRows);
+  const int rows_per_cta = int((a.n_slots + ctas - 1) / ctas);
+  const dim3 grid(unsigned((a.n_slots + rows_per_cta - 1) / rows_per_cta), 1, 1);
+  kernel<<<grid, kRowThreads, smem, stream>>>(a, rows_per_cta);
+  return cudaPeekAtLastError();
+}
+
+template <DType D>
+cudaError_t staged_dtype(const GatherArgs& a, cudaStream_t stream) {
+  switch (a.R / 8) {
+    case 1: return staged_rb<D, 1>(a, stream);
+    case 2: return staged_rb<D, 2>(a, stream);
+    case 3: return staged_rb<D, 3>(a, stream);
+    case 4: return staged_rb<D, 4>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// The staged kernel's shapes: two stages of a row's bytes in shared memory,
+// at most kStagedMaxCols columns a thread, ranks up to 32, and at least two
+// rows for every SM (fewer rows split their columns over CTAs instead).
+// H200, rank 16, T = 64, kernel time against gather_rows_kernel (traced,
+// docs/perf_log.md): Qwen3 down 16.3 -> 12.7 µs, DeepSeek gate 13.0 -> 10.7,
+// DeepSeek down 15.9 -> 11.1, Qwen3 gate 11.9 -> 11.7 with 4 adapters.
+bool staged_fits(const GatherArgs& a) {
+  return a.R <= 32 && a.N <= int64_t(kRowThreads) * kStagedMaxCols &&
+         kStagedStages * StagedLayout(a.R, a.K, a.N).stage <= kStagedMaxSmem &&
+         a.n_slots >= 2 * int64_t(sm_count());
+}
+
 }  // namespace
 
 bool gather_rows_fits(const GatherArgs& a) {
@@ -221,6 +420,9 @@ bool gather_rows_fits(const GatherArgs& a) {
 }
 
 cudaError_t launch_gather_rows(const GatherArgs& a, cudaStream_t stream) {
+  if (staged_fits(a))
+    return a.dtype == DType::kBf16 ? staged_dtype<DType::kBf16>(a, stream)
+                                   : staged_dtype<DType::kF16>(a, stream);
   // Enough CTAs for every SM (few rows split their columns into chunks; each
   // chunk repeats the shrink, from L2) and at most kRowRounds column rounds.
   const int64_t quads = (a.N + kRowCols - 1) / kRowCols;

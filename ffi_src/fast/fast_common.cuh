@@ -73,6 +73,51 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+// Bulk asynchronous copies (TMA, no tensor map) global -> shared, completed
+// on an mbarrier that counts the bytes: `bytes` and both addresses multiples
+// of 16. One thread arms the barrier with the stage's bytes and issues the
+// copies; every thread waits on the barrier's phase parity.
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
+               : "memory");
+}
+// After mbar_init and before a barrier: the barriers' initialisation visible
+// to the async proxy that completes them.
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// Orders this CTA's earlier generic-proxy accesses of shared memory before
+// later async-proxy writes (a stage is refilled after the CTA read it).
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned bytes,
+                                         uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
 // The (table row, expert) a gather row folds with, or false when the row is
 // skipped before any table lookup (negative adapter, adapter past the table,
 // expert outside the table).
@@ -219,7 +264,7 @@ inline cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, int th
 
 // Launchers of the kernel files (dtype already checked by the dispatchers).
 cudaError_t launch_gather_f32(const GatherArgs& a, cudaStream_t stream);
-cudaError_t launch_gather_rows(const GatherArgs& a, cudaStream_t stream);
+cudaError_t launch_gather_rows(const GatherArgs& a, cudaStream_t stream);  // rows or staged rows
 bool gather_rows_fits(const GatherArgs& a);  // shapes launch_gather_rows takes
 cudaError_t launch_grouped_f32(const GroupedArgs& a, cudaStream_t stream);
 // The grouped shrink (prefill_shrink.cu) writes xa for the expand
