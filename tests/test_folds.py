@@ -483,8 +483,8 @@ def test_fast_grouped_kernels_match_reference(rng, impl, dtype, x_gather, shape)
 # else the cells kernels: the "cells" shapes are several rows per cell and
 # 100-190 MB of per-row A/B reads. Of the rows kernels (H200, 132 SMs), the
 # staged one takes R <= 32, N <= 2048 and at least 264 rows (the "staged"
-# shapes: runs of 4 and 8 rows a CTA, a shorter last run); the other gives a
-# CTA 4 rows from 370 (R = 40, one CTA an SM), 2 from 185, else 1.
+# shapes: runs of 4, 8 and 16 rows a CTA, a shorter last run); the other
+# gives a CTA 4 rows from 370 (R = 40, one CTA an SM), 2 from 185, else 1.
 _CELLS_KN = dict(k_in=2048, n_out=1028)
 
 
@@ -495,13 +495,14 @@ _CELLS_KN = dict(k_in=2048, n_out=1028)
     dict(num_tokens=64, top_k=2, n_experts=4, num_loras=2),     # few rows, 16 per cell: rows
     dict(num_tokens=171, top_k=3, n_experts=64, num_loras=4),   # 513 rows: staged, 4 a CTA
     dict(num_tokens=477, top_k=2, n_experts=64, num_loras=4),   # 954 rows: staged, 8 a CTA
+    dict(num_tokens=1050, top_k=2, n_experts=64, num_loras=4),  # 2100 rows: staged, 16 a CTA
     dict(num_tokens=101, top_k=3, n_experts=64, num_loras=4, ranks=(24, 40), max_rank=40),
     dict(num_tokens=201, top_k=2, n_experts=64, num_loras=4, ranks=(24, 40), max_rank=40),
     dict(num_tokens=512, top_k=2, n_experts=4, num_loras=2, **_CELLS_KN),  # cells kernel
     dict(num_tokens=160, top_k=4, n_experts=8, num_loras=3, ranks=(24, 40), max_rank=48,
          **_CELLS_KN),
-], ids=["rows", "rows-T1", "rows-R40", "rows-L2-small", "staged-4", "staged-8", "rows-2-R40",
-        "rows-4-R40", "cells", "cells-R48"])
+], ids=["rows", "rows-T1", "rows-R40", "rows-L2-small", "staged-4", "staged-8", "staged-16",
+        "rows-2-R40", "rows-4-R40", "cells", "cells-R48"])
 @pytest.mark.parametrize("x_gather", [0, 1])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("impl", [pytest.param("fast", marks=GPU)])
