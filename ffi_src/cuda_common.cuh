@@ -40,6 +40,14 @@ __device__ __forceinline__ float fold_add(float out, float scale, float delta) {
   return __fadd_rn(out, __fmul_rn(scale, delta));
 }
 
+// Sum of `v` over the 32 lanes of a warp, by a fixed butterfly (xor 16, 8,
+// 4, 2, 1), so every lane gets the same bits.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 // Sum of `v` over each group of kGbgmvThreadsPerOutput consecutive threads of
 // a kGbgmvThreads block (the seed kernels' one-output-per-64-threads layout).
 // Every thread of the block must call it (it synchronises the block).
@@ -47,7 +55,7 @@ __device__ __forceinline__ float seed_group_sum(float v) {
   constexpr int kWarps = kGbgmvThreads / 32;
   constexpr int kWarpsPerGroup = kGbgmvThreadsPerOutput / 32;
   __shared__ float partial[kWarps];
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  v = warp_sum(v);
   const int warp = threadIdx.x / 32;
   if (threadIdx.x % 32 == 0) partial[warp] = v;
   __syncthreads();

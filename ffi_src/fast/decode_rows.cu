@@ -85,10 +85,7 @@ __device__ __forceinline__ void shrink_row(const uint16_t* A, const uint16_t* x,
       for (int j = 0; j < RP; ++j) acc[j] = dot8<D>(av[j], xv, acc[j]);
     }
 #pragma unroll
-    for (int j = 0; j < RP; ++j) {
-#pragma unroll
-      for (int s = 16; s > 0; s >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], s);
-    }
+    for (int j = 0; j < RP; ++j) acc[j] = warp_sum(acc[j]);
     if (lane == 0) {
 #pragma unroll
       for (int j = 0; j < RP; ++j) s_part[w][p0 + j] = acc[j];
@@ -233,6 +230,7 @@ struct StagedLayout {  // one stage: A [R, K], x [K], B [N, R] (16-bit, 16-byte 
   __host__ __device__ StagedLayout(int64_t R, int64_t K, int64_t N)
       : a_bytes(2 * R * K), x_bytes(2 * K), b_bytes(2 * N * R),
         stage(a_bytes + x_bytes + b_bytes) {}
+  int64_t smem() const { return kStagedStages * stage; }  // dynamic bytes of a launch
 };
 
 template <DType D, int RB>
@@ -378,7 +376,7 @@ cudaError_t rows_dtype(const GatherArgs& a, dim3 grid, int rpc, int64_t chunk_w,
 template <DType D, int RB>
 cudaError_t staged_rb(const GatherArgs& a, cudaStream_t stream) {
   auto kernel = gather_rows_staged_kernel<D, RB>;
-  const int smem = int(kStagedStages * StagedLayout(a.R, a.K, a.N).stage);
+  const int smem = int(StagedLayout(a.R, a.K, a.N).smem());
   if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(kernel), smem);
       err != cudaSuccess)
     return err;
@@ -408,7 +406,7 @@ cudaError_t staged_dtype(const GatherArgs& a, cudaStream_t stream) {
 // DeepSeek down 15.9 -> 11.1, Qwen3 gate 11.9 -> 11.7 with 4 adapters.
 bool staged_fits(const GatherArgs& a) {
   return a.R <= 32 && a.N <= int64_t(kRowThreads) * kStagedMaxCols &&
-         kStagedStages * StagedLayout(a.R, a.K, a.N).stage <= kStagedMaxSmem &&
+         StagedLayout(a.R, a.K, a.N).smem() <= kStagedMaxSmem &&
          a.n_slots >= 2 * int64_t(sm_count());
 }
 

@@ -102,10 +102,7 @@ __device__ void f32_fold_row(const float* __restrict__ x, const float* __restric
       }
     }
 #pragma unroll
-    for (int j = 0; j < kRankPass; ++j) {
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
-    }
+    for (int j = 0; j < kRankPass; ++j) acc[j] = warp_sum(acc[j]);
     if (lane == 0) {
 #pragma unroll
       for (int j = 0; j < kRankPass; ++j) s_part[w][j] = acc[j];
@@ -181,9 +178,7 @@ __device__ void f32_fold_rows(const float* const* x, const float* __restrict__ A
 #pragma unroll
     for (int g = 0; g < G; ++g)
 #pragma unroll
-      for (int j = 0; j < kRankPass; ++j)
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc[g][j] += __shfl_xor_sync(0xffffffffu, acc[g][j], o);
+      for (int j = 0; j < kRankPass; ++j) acc[g][j] = warp_sum(acc[g][j]);
     if (lane == 0) {
 #pragma unroll
       for (int g = 0; g < G; ++g)
