@@ -48,6 +48,34 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Sums of N values (N a power of two, at most 32) over the 32 lanes of a
+// warp, with N - 1 + 5 - log2(N) shuffles instead of warp_sum's 5 N: at each
+// of the first log2(N) butterfly steps (xor 16, 8, ...) a lane keeps half of
+// its values (the upper half where its lane bit is set) and adds the
+// partner's copy of that half, so each pair of lanes sums each value once;
+// the remaining steps are warp_sum's. Lane l returns the sum of value
+// l / (32 / N). Each value is summed in warp_sum's tree (the same pairs at
+// the same steps, and a + b == b + a), so it gets warp_sum's bits.
+template <int N, int O = 16>
+__device__ __forceinline__ float warp_sum_split(float (&v)[N]) {
+  static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0, "N a power of two <= 32");
+  if constexpr (N == 1) {
+    float s = v[0];
+#pragma unroll
+    for (int o = O; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    return s;
+  } else {
+    const bool upper = threadIdx.x & O;
+    float h[N / 2];
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) {
+      const float lo = v[j], hi = v[j + N / 2];
+      h[j] = (upper ? hi : lo) + __shfl_xor_sync(0xffffffffu, upper ? lo : hi, O);
+    }
+    return warp_sum_split<N / 2, O / 2>(h);
+  }
+}
+
 // Sum of `v` over each group of kGbgmvThreadsPerOutput consecutive threads of
 // a kGbgmvThreads block (the seed kernels' one-output-per-64-threads layout).
 // Every thread of the block must call it (it synchronises the block).

@@ -23,7 +23,8 @@
 //   - shrink: thread t owns the 8-wide K pieces 8t, 8t + 2048, ...; all the
 //     ranks of a pass (16) are loaded together with the x piece (16-byte
 //     loads), summed in k order per thread, then a fixed butterfly per warp
-//     and the 8 warp sums in warp order; xa is rounded into shared memory;
+//     (warp_sum_split: the ranks end on different lanes) and the 8 warp sums
+//     in warp order; xa is rounded into shared memory;
 //   - expand: delta = round(xa . B[n]) in rank order, out = round(out +
 //     scale * delta).
 
@@ -39,15 +40,21 @@ constexpr int kRowCols = 4;   // adjacent output columns per thread and round
 constexpr int kRowRounds = 2; // column rounds per CTA before the columns are split over CTAs
 constexpr int kRowMaxRank = 64;
 
+// The 8 values of a 16-byte piece as floats, in element order (bf16: the
+// bits moved into place, which is the exact conversion; f16: converted).
 template <DType D>
-__device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
-  const uint32_t av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    acc = fmaf(h2f<D>(uint16_t(av[i] & 0xffffu)), h2f<D>(uint16_t(bv[i] & 0xffffu)), acc);
-    acc = fmaf(h2f<D>(uint16_t(av[i] >> 16)), h2f<D>(uint16_t(bv[i] >> 16)), acc);
+    if constexpr (D == DType::kBf16) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    } else {
+      f[2 * i] = h2f<D>(uint16_t(w[i] & 0xffffu));
+      f[2 * i + 1] = h2f<D>(uint16_t(w[i] >> 16));
+    }
   }
-  return acc;
 }
 
 // 16 bytes of a row's operands, from global memory (read-only path) or
@@ -61,9 +68,10 @@ __device__ __forceinline__ uint4 ld16(const uint16_t* p) {
 // The shrink of one row, xa = round(A x) into s_xa (A [R, K], x [K], in
 // global or shared memory): thread t owns the 8-wide K pieces 8t, 8t + 2048,
 // ...; the ranks of a pass are loaded together with the x piece and summed
-// in k order per thread, then a fixed butterfly per warp and the warp sums
-// in warp order. Both rows kernels fold through it, so a row gets the same
-// bits from either. Called by all threads; ends with a barrier.
+// in k order per thread, then a fixed butterfly per warp (warp_sum_split)
+// and the warp sums in warp order. Both rows kernels fold through it, so a
+// row gets the same bits from either. Called by all threads; ends with a
+// barrier.
 template <DType D, int RB, bool kSmem>
 __device__ __forceinline__ void shrink_row(const uint16_t* A, const uint16_t* x, int64_t K,
                                            float (&s_part)[kRowWarps][8 * RB],
@@ -80,16 +88,18 @@ __device__ __forceinline__ void shrink_row(const uint16_t* A, const uint16_t* x,
       uint4 av[RP];
 #pragma unroll
       for (int j = 0; j < RP; ++j) av[j] = ld16<kSmem>(A + int64_t(p0 + j) * K + k);
-      const uint4 xv = ld16<kSmem>(x + k);
+      float xf[8];
+      unpack8<D>(ld16<kSmem>(x + k), xf);
 #pragma unroll
-      for (int j = 0; j < RP; ++j) acc[j] = dot8<D>(av[j], xv, acc[j]);
+      for (int j = 0; j < RP; ++j) {
+        float af[8];
+        unpack8<D>(av[j], af);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[j] = fmaf(af[e], xf[e], acc[j]);
+      }
     }
-#pragma unroll
-    for (int j = 0; j < RP; ++j) acc[j] = warp_sum(acc[j]);
-    if (lane == 0) {
-#pragma unroll
-      for (int j = 0; j < RP; ++j) s_part[w][p0 + j] = acc[j];
-    }
+    const float v = warp_sum_split<RP>(acc);  // lane l: rank p0 + l / (32 / RP)
+    if (lane % (32 / RP) == 0) s_part[w][p0 + lane / (32 / RP)] = v;
   }
   __syncthreads();
   if (tid < R) {
@@ -107,12 +117,10 @@ __device__ __forceinline__ float expand_col(const uint4 (&b)[RB], const float (&
   float acc = 0.f;
 #pragma unroll
   for (int r = 0; r < RB; ++r) {
-    const uint32_t bw[4] = {b[r].x, b[r].y, b[r].z, b[r].w};
+    float bf[8];
+    unpack8<D>(b[r], bf);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      acc = fmaf(xa[8 * r + 2 * i], h2f<D>(uint16_t(bw[i] & 0xffffu)), acc);
-      acc = fmaf(xa[8 * r + 2 * i + 1], h2f<D>(uint16_t(bw[i] >> 16)), acc);
-    }
+    for (int e = 0; e < 8; ++e) acc = fmaf(xa[8 * r + e], bf[e], acc);
   }
   return h2f<D>(f2h<D>(acc));
 }
