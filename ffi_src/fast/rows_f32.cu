@@ -7,9 +7,11 @@
 //   - thread t's first output column and its B row (the rank is a template
 //     argument for ranks up to kF32MaxRank, so every load is unrolled);
 //   - shrink: the 256 threads split K in 4-wide pieces (16-byte loads); each
-//     thread keeps kRankPass partial sums, one per rank of the pass, in k
-//     order; a fixed butterfly per warp, then the 8 warp sums in warp order
-//     give xa (shared memory);
+//     thread keeps one partial sum per rank of the pass (16 ranks a pass
+//     where R is a multiple of 16, else 8; the tiled kernel 8), in k order;
+//     a fixed butterfly per warp (warp_sum_split: the ranks end on different
+//     lanes), then the 8 warp sums in warp order give xa (shared memory). A
+//     rank's sum does not depend on the pass it is in;
 //   - expand: delta = xa . B[n] in rank order, out = out + scale * delta.
 // The same device function serves both folds, so a row gets the same bits
 // from either. Larger ranks and unaligned shapes take a loop over the ranks.
@@ -52,11 +54,12 @@ __device__ __forceinline__ void load_b_row(float4* bv, const float* __restrict__
   for (int i = 0; i < 2 * RB; ++i) bv[i] = __ldg(reinterpret_cast<const float4*>(B + n * 8 * RB) + i);
 }
 
-// A's ranks p0 .. p0 + kRankPass - 1 at k .. k + 3 (16-byte loads).
-__device__ __forceinline__ void load_a_pass(float4 (&av)[kRankPass], const float* __restrict__ A,
-                                            int p0, int64_t K, int64_t k) {
+// A's ranks p0 .. p0 + P - 1 at k .. k + 3 (16-byte loads).
+template <int P>
+__device__ __forceinline__ void load_a_pass(float4 (&av)[P], const float* __restrict__ A, int p0,
+                                            int64_t K, int64_t k) {
 #pragma unroll
-  for (int j = 0; j < kRankPass; ++j)
+  for (int j = 0; j < P; ++j)
     av[j] = __ldg(reinterpret_cast<const float4*>(A + int64_t(p0 + j) * K + k));
 }
 
@@ -68,8 +71,11 @@ __device__ void f32_fold_row(const float* __restrict__ x, const float* __restric
                              const float* __restrict__ B, float scale, int64_t K, int R_, int64_t N,
                              float* orow, int64_t c0, int64_t c1) {
   constexpr bool kVec = RB > 0;
+  // ranks a pass: 16 where R is a multiple of 16 (every A load of the row in
+  // flight at once; a rank's sum does not depend on the pass it is in)
+  constexpr int RP = kVec && RB % 2 == 0 ? 2 * kRankPass : kRankPass;
   const int R = kVec ? 8 * RB : R_;
-  __shared__ float s_part[kF32Warps][kRankPass];
+  __shared__ float s_part[kF32Warps][RP];
   __shared__ float s_xa[kMaxRank];
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   // the first column's operands, requested before the shrink
@@ -80,35 +86,34 @@ __device__ void f32_fold_row(const float* __restrict__ x, const float* __restric
     load_b_row<RB>(bv, B, n);
     ov = orow[n];
   }
-  for (int p0 = 0; p0 < R; p0 += kRankPass) {
-    float acc[kRankPass];
+  for (int p0 = 0; p0 < R; p0 += RP) {
+    float acc[RP];
 #pragma unroll
-    for (int j = 0; j < kRankPass; ++j) acc[j] = 0.f;
+    for (int j = 0; j < RP; ++j) acc[j] = 0.f;
     if (kVec) {
 #pragma unroll 2
       for (int64_t k = int64_t(tid) * 4; k < K; k += kF32Threads * 4) {
-        float4 av[kRankPass];
-        load_a_pass(av, A, p0, K, k);
+        float4 av[RP];
+        load_a_pass<RP>(av, A, p0, K, k);
         const float4 xv = __ldg(reinterpret_cast<const float4*>(x + k));
 #pragma unroll
-        for (int j = 0; j < kRankPass; ++j) acc[j] = dot4(av[j], xv, acc[j]);
+        for (int j = 0; j < RP; ++j) acc[j] = dot4(av[j], xv, acc[j]);
       }
     } else {
       for (int64_t k = tid; k < K; k += kF32Threads) {
         const float xv = __ldg(x + k);
 #pragma unroll
-        for (int j = 0; j < kRankPass; ++j)
+        for (int j = 0; j < RP; ++j)
           if (p0 + j < R) acc[j] = fmaf(__ldg(A + int64_t(p0 + j) * K + k), xv, acc[j]);
       }
     }
-#pragma unroll
-    for (int j = 0; j < kRankPass; ++j) acc[j] = warp_sum(acc[j]);
-    if (lane == 0) {
-#pragma unroll
-      for (int j = 0; j < kRankPass; ++j) s_part[w][j] = acc[j];
+    {
+      constexpr int kLanes = 32 / RP;  // lanes holding each rank's sum
+      const float v = warp_sum_split<RP>(acc);
+      if (lane % kLanes == 0) s_part[w][lane / kLanes] = v;
     }
     __syncthreads();
-    if (tid < kRankPass && p0 + tid < R) {
+    if (tid < RP && p0 + tid < R) {
       float v = s_part[0][tid];
 #pragma unroll
       for (int ww = 1; ww < kF32Warps; ++ww) v += s_part[ww][tid];
@@ -165,7 +170,7 @@ __device__ void f32_fold_rows(const float* const* x, const float* __restrict__ A
 #pragma unroll 2
     for (int64_t k = int64_t(tid) * 4; k < K; k += kF32Threads * 4) {
       float4 av[kRankPass];
-      load_a_pass(av, A, p0, K, k);
+      load_a_pass<kRankPass>(av, A, p0, K, k);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         if (g < nrows) {
@@ -176,14 +181,10 @@ __device__ void f32_fold_rows(const float* const* x, const float* __restrict__ A
       }
     }
 #pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-      for (int j = 0; j < kRankPass; ++j) acc[g][j] = warp_sum(acc[g][j]);
-    if (lane == 0) {
-#pragma unroll
-      for (int g = 0; g < G; ++g)
-#pragma unroll
-        for (int j = 0; j < kRankPass; ++j) s_part[w][g][j] = acc[g][j];
+    for (int g = 0; g < G; ++g) {
+      constexpr int kLanes = 32 / kRankPass;  // lanes holding each rank's sum
+      const float v = warp_sum_split<kRankPass>(acc[g]);
+      if (lane % kLanes == 0) s_part[w][g][lane / kLanes] = v;
     }
     __syncthreads();
     if (tid < G * kRankPass) {
