@@ -430,6 +430,22 @@ def test_f32_long_gather_matches_reference_and_its_halves(rng, impl, x_gather):
     np.testing.assert_array_equal(bits(half), bits(out[:r2]))
 
 
+@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("impl", ["cpu", *CUDA_IMPLS])
+def test_f32_short_gather_has_the_bits_of_a_longer_batch(rng, impl, rows):
+    """A short fp32 gather fold (the router's fold at decode) gives each row
+    the bits it gets in a batch of 400 rows, and meets the fp32 criterion:
+    the batch length never changes a row (rank 16 or 32: ``fast`` sums all 16
+    ranks of a pass at once, rank 32 in two passes)."""
+    case = make_gather_case(rng, dtype=jnp.float32, num_loras=4, top_k=1, num_tokens=400,
+                            x_gather=0, k_in=2048, n_out=128, ranks=(16, 32), max_rank=32)
+    out = case.run(impl)
+    _check(case, out, impl)
+    short = case.run(impl, x=case.x[:rows], base_out=case.base_out[:rows],
+                     indices=case.ids["indices"][:rows], row_adapter=case.row_adapter[:rows])
+    np.testing.assert_array_equal(bits(short), bits(out[:rows]))
+
+
 @pytest.mark.parametrize("impl", CUDA_IMPLS)
 def test_cuda_graphs_on_and_off_give_the_same_bits(tmp_path, impl):
     """A jitted multi-layer program run with CUDA graphs (the default) and in a
