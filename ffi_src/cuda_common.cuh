@@ -40,22 +40,15 @@ __device__ __forceinline__ float fold_add(float out, float scale, float delta) {
   return __fadd_rn(out, __fmul_rn(scale, delta));
 }
 
-// Sum of `v` over the 32 lanes of a warp, by a fixed butterfly (xor 16, 8,
-// 4, 2, 1), so every lane gets the same bits.
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // Sums of N values (N a power of two, at most 32) over the 32 lanes of a
-// warp, with N - 1 + 5 - log2(N) shuffles instead of warp_sum's 5 N: at each
-// of the first log2(N) butterfly steps (xor 16, 8, ...) a lane keeps half of
-// its values (the upper half where its lane bit is set) and adds the
-// partner's copy of that half, so each pair of lanes sums each value once;
-// the remaining steps are warp_sum's. Lane l returns the sum of value
-// l / (32 / N). Each value is summed in warp_sum's tree (the same pairs at
-// the same steps, and a + b == b + a), so it gets warp_sum's bits.
+// warp by a fixed butterfly (xor 16, 8, 4, 2, 1), with N - 1 + 5 - log2(N)
+// shuffles instead of 5 per value: at each of the first log2(N) steps a lane
+// keeps half of its values (the upper half where its lane bit is set) and
+// adds the partner's copy of that half, so each pair of lanes sums each
+// value once; the remaining steps add the one value left. Lane l returns the
+// sum of value l / (32 / N). Each value is summed in the tree of a one-value
+// butterfly (the same pairs at the same steps, and a + b == b + a), so it
+// gets warp_sum's bits whatever N.
 template <int N, int O = 16>
 __device__ __forceinline__ float warp_sum_split(float (&v)[N]) {
   static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0, "N a power of two <= 32");
@@ -74,6 +67,22 @@ __device__ __forceinline__ float warp_sum_split(float (&v)[N]) {
     }
     return warp_sum_split<N / 2, O / 2>(h);
   }
+}
+
+// Sum of `v` over the 32 lanes of a warp (every lane gets the same bits).
+__device__ __forceinline__ float warp_sum(float v) {
+  float one[1] = {v};
+  return warp_sum_split<1>(one);
+}
+
+// The warp's sums of v[0 .. N) (warp_sum_split) stored to dst[0 .. N), each
+// by the first lane that holds it.
+template <int N>
+__device__ __forceinline__ void store_warp_sums(float (&v)[N], float* dst) {
+  constexpr int kLanes = 32 / N;  // lanes holding each value's sum
+  const int lane = threadIdx.x & 31;
+  const float s = warp_sum_split<N>(v);
+  if (lane % kLanes == 0) dst[lane / kLanes] = s;
 }
 
 // Sum of `v` over each group of kGbgmvThreadsPerOutput consecutive threads of

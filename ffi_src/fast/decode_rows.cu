@@ -78,7 +78,7 @@ __device__ __forceinline__ void shrink_row(const uint16_t* A, const uint16_t* x,
                                            float (&s_xa)[8 * RB]) {
   constexpr int R = 8 * RB;
   constexpr int RP = R % 16 == 0 ? 16 : 8;  // ranks per shrink pass
-  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int tid = threadIdx.x, w = tid >> 5;
 #pragma unroll
   for (int p0 = 0; p0 < R; p0 += RP) {
     float acc[RP];
@@ -98,8 +98,7 @@ __device__ __forceinline__ void shrink_row(const uint16_t* A, const uint16_t* x,
         for (int e = 0; e < 8; ++e) acc[j] = fmaf(af[e], xf[e], acc[j]);
       }
     }
-    const float v = warp_sum_split<RP>(acc);  // lane l: rank p0 + l / (32 / RP)
-    if (lane % (32 / RP) == 0) s_part[w][p0 + lane / (32 / RP)] = v;
+    store_warp_sums<RP>(acc, &s_part[w][p0]);
   }
   __syncthreads();
   if (tid < R) {

@@ -70,9 +70,18 @@ __device__ __forceinline__ int64_t row_expert(const int32_t* offsets, int64_t E,
   return lo;
 }
 
-// The B fragments of one segment for a chunk: RK 16-rank steps of the
-// mma's B operand (lane (g, t): column c0 + 8 (w + kExpWarps u) + g, ranks
-// 16 kq + 4t .. + 3), zero past the rank or the last column.
+// Lane (g, t)'s B fragment of n8 tile u for the 16-rank step at ks (B:
+// one pool slot [N, R]): column c0 + 8 (w + kExpWarps u) + g, ranks ks + 4t
+// .. + 3, zero past the rank or the last column.
+__device__ __forceinline__ uint2 b_frag(const uint16_t* B, int64_t c0, int64_t N, int R, int ks,
+                                        int u, int w, int g, int t) {
+  const bool kv = ks + 4 * t < R;  // R % 8 == 0: the 4 ranks are all in or all out
+  const int64_t n = c0 + 8 * (w + kExpWarps * u) + g;
+  return kv && n < N ? __ldg(reinterpret_cast<const uint2*>(B + n * R + ks + 4 * t))
+                     : make_uint2(0u, 0u);
+}
+
+// The B fragments of one segment for a chunk: RK 16-rank steps of b_frag.
 template <int RK>
 struct BFrags {
   uint2 v[RK > 0 ? RK : 1][kExpNTiles];
@@ -81,15 +90,9 @@ struct BFrags {
                                        int R, int w, int g, int t) {
     const uint16_t* B = b_pool + int64_t(slot) * N * R;
 #pragma unroll
-    for (int kq = 0; kq < (RK > 0 ? RK : 1); ++kq) {
-      const bool kv = 16 * kq + 4 * t < R;  // R % 8 == 0: the 4 ranks are all in or all out
+    for (int kq = 0; kq < (RK > 0 ? RK : 1); ++kq)
 #pragma unroll
-      for (int u = 0; u < kExpNTiles; ++u) {
-        const int64_t n = c0 + 8 * (w + kExpWarps * u) + g;
-        v[kq][u] = kv && n < N ? __ldg(reinterpret_cast<const uint2*>(B + n * R + 16 * kq + 4 * t))
-                               : make_uint2(0u, 0u);
-      }
-    }
+      for (int u = 0; u < kExpNTiles; ++u) v[kq][u] = b_frag(B, c0, N, R, 16 * kq, u, w, g, t);
   }
 };
 
@@ -234,12 +237,9 @@ __global__ void __launch_bounds__(kExpThreads, kExpResident)
                 *reinterpret_cast<const uint2*>(s_xa + (mt * 16 + g) * xs + ks + 4 * t);
             const uint2 xhi =
                 *reinterpret_cast<const uint2*>(s_xa + (mt * 16 + g + 8) * xs + ks + 4 * t);
-            const bool kv = ks + 4 * t < R;  // R % 8 == 0: the 4 ranks are all in or all out
 #pragma unroll
             for (int u = 0; u < kExpNTiles; ++u) {
-              const int64_t n = c0 + 8 * (w + kExpWarps * u) + g;
-              uint2 bv = make_uint2(0u, 0u);
-              if (kv && n < N) bv = __ldg(reinterpret_cast<const uint2*>(B + n * R + ks + 4 * t));
+              const uint2 bv = b_frag(B, c0, N, R, ks, u, w, g, t);
               Mma<D>::run(acc[u], xlo.x, xhi.x, xlo.y, xhi.y, bv.x, bv.y);
             }
           }

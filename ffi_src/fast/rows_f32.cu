@@ -77,7 +77,7 @@ __device__ void f32_fold_row(const float* __restrict__ x, const float* __restric
   const int R = kVec ? 8 * RB : R_;
   __shared__ float s_part[kF32Warps][RP];
   __shared__ float s_xa[kMaxRank];
-  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int tid = threadIdx.x, w = tid >> 5;
   // the first column's operands, requested before the shrink
   int64_t n = c0 + tid;
   float4 bv[kVec ? 2 * RB : 1];
@@ -107,11 +107,7 @@ __device__ void f32_fold_row(const float* __restrict__ x, const float* __restric
           if (p0 + j < R) acc[j] = fmaf(__ldg(A + int64_t(p0 + j) * K + k), xv, acc[j]);
       }
     }
-    {
-      constexpr int kLanes = 32 / RP;  // lanes holding each rank's sum
-      const float v = warp_sum_split<RP>(acc);
-      if (lane % kLanes == 0) s_part[w][lane / kLanes] = v;
-    }
+    store_warp_sums<RP>(acc, s_part[w]);
     __syncthreads();
     if (tid < RP && p0 + tid < R) {
       float v = s_part[0][tid];
@@ -155,7 +151,7 @@ __device__ void f32_fold_rows(const float* const* x, const float* __restrict__ A
   constexpr int R = 8 * RB;
   __shared__ float s_part[kF32Warps][G][kRankPass];
   __shared__ float s_xa[G][R];
-  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int tid = threadIdx.x, w = tid >> 5;
   int64_t n = c0 + tid;  // the first column's operands, requested before the shrink
   float4 bv[2 * RB];
   float ov[G];
@@ -181,11 +177,7 @@ __device__ void f32_fold_rows(const float* const* x, const float* __restrict__ A
       }
     }
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      constexpr int kLanes = 32 / kRankPass;  // lanes holding each rank's sum
-      const float v = warp_sum_split<kRankPass>(acc[g]);
-      if (lane % kLanes == 0) s_part[w][g][lane / kLanes] = v;
-    }
+    for (int g = 0; g < G; ++g) store_warp_sums<kRankPass>(acc[g], s_part[w][g]);
     __syncthreads();
     if (tid < G * kRankPass) {
       const int g = tid / kRankPass, j = tid % kRankPass;
