@@ -22,6 +22,7 @@ import pytest
 from _fold_cases import (DELTA_RTOL, DTYPE_IDS, DTYPES, assert_ulp_close, bits, check_fold,
                          concrete_impl, delta_rel_error, graph_program, is_seed_design,
                          make_gather_case, make_grouped_case, make_route, on_platform,
+                         random_expert_ids,
                          run_with_graphs_off, stack_routes, to_device)
 from conftest import HAS_GPU
 from jax_moelora.ops import sort_rows_by_expert
@@ -532,6 +533,24 @@ def test_fast_gather_kernels_match_reference(rng, impl, dtype, x_gather, shape):
     kw = dict(ranks=shape.pop("ranks", (8, 16)), max_rank=shape.pop("max_rank", 16),
               k_in=shape.pop("k_in", 256), n_out=shape.pop("n_out", 200))
     case = make_gather_case(rng, dtype=dtype, x_gather=x_gather, **kw, **shape)
+    _check(case, case.run(impl), impl)
+
+
+@pytest.mark.parametrize("kind", ["skewed", "past-scan"])
+@pytest.mark.parametrize("impl", [pytest.param("fast", marks=GPU)])
+def test_fast_cells_kernels_with_long_cells_and_many_rows(rng, impl, kind):
+    """The decode cells kernels where one cell holds most rows (skewed: its
+    batches outnumber its CTAs, so a CTA folds several of them one after the
+    other) and past the rows one CTA keys itself (past-scan: 4,200 rows, so a
+    plan kernel groups them first), against the reference."""
+    num_tokens = 512 if kind == "skewed" else 2100
+    n = num_tokens * 2
+    ids = random_expert_ids(rng, n, 4)
+    if kind == "skewed":
+        ids = np.where(rng.random(n) < 0.7, 0, ids).astype(np.int32)
+    case = make_gather_case(rng, dtype=jnp.bfloat16, num_tokens=num_tokens, top_k=2, n_experts=4,
+                            num_loras=2, x_gather=int(kind == "skewed"), indices=ids,
+                            ranks=(8, 16), max_rank=16, **_CELLS_KN)
     _check(case, case.run(impl), impl)
 
 

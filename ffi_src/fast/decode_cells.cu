@@ -6,24 +6,35 @@
 //     T <= 64 with one adapter), or within kRowsL2Cap bytes when the cells
 //     hold about one row each (rows / min(rows, L * E_t) < 2: Qwen3 and
 //     DeepSeek T <= 64 with 4 adapters at rank 16). There grouping rows buys
-//     nothing and the cells kernels' plan pass costs;
+//     nothing and the cells kernels' grouping costs;
 //   - otherwise the cells kernels below, which read each A and B block once
 //     per batch of up to 16 rows (T = 256, Mixtral, ranks 32 and 64 at
 //     T = 64).
 //
 // A cell is one (table row, expert) pair: one A block [R, K] and one B block
-// [N, R]. A batch is up to kBatchRows rows of one cell. Two launches:
-//   0. the plan kernel (one CTA of 1024 threads) keys every row by its cell
-//      (l * E_t + e, or -1 when the row is skipped), counts the rows of each
-//      cell in shared memory, scans the counts and writes the batch table
-//      (cell, first row, row count; count 0 past the last batch) and the rows
-//      grouped by cell into the handler's xa scratch (4 ints a row: the
-//      scratch holds R >= 8 activation values a row). A cell's rows are
-//      grouped in no fixed order: a row's arithmetic does not depend on the
-//      other rows of its batch.
-//   1. the batch kernel (programmatic dependent launch after the plan): one
-//      CTA of 256 threads per (batch, column chunk) reads its batch entry and
-//      rows (one round trip after griddepcontrol.wait), then
+// [N, R]. A batch is up to kBatchRows rows of one cell. The rows are grouped
+// by cell in one of two ways:
+//   1a. up to kScanMaxRows rows (every decode batch of the benchmark, and
+//      Qwen3's gate+up stacked at T = 256), one launch: the self-planned batch
+//      kernel runs one CTA of 256 threads per (cell, slice, column chunk).
+//      Each thread keys up to 16 consecutive rows (l * E_t + e, or -1 when the row
+//      is skipped; all their loads in flight with the cell's table entries),
+//      the CTA ranks its cell's rows in row order (a scan of the threads'
+//      counts, in shared memory) and folds the batches slice, slice +
+//      slices, ... of them one after the other (cells_scan_slices: enough
+//      slices for twice a cell's mean rows). Measured against 1b on an H200
+//      (4 adapters, rank 16): Qwen3 gate T = 256 27.9 -> 24.0 µs, down 33.1
+//      -> 29.7, DeepSeek gate 19.7 -> 14.6, Mixtral down 53.3 -> 31.9.
+//   1b. more rows, two launches: the plan kernel (one CTA of 1024 threads)
+//      keys every row, counts the rows of each cell in shared memory, scans
+//      the counts and writes the batch table (cell, first row, row count;
+//      count 0 past the last batch) and the rows grouped by cell into the
+//      handler's xa scratch (4 ints a row: the scratch holds R >= 8
+//      activation values a row; a cell's rows in no fixed order). The batch
+//      kernel (programmatic dependent launch after the plan) runs one CTA per
+//      (batch, column chunk) and reads its batch entry and rows (one round
+//      trip after griddepcontrol.wait).
+// Then, per batch:
 //   2. shrink on the tensor cores: warp w multiplies the 32-wide K chunks
 //      w, w + 8, ... of A and of the batch's x rows (mma m16n8k16, ranks in M,
 //      rows in N), loading up to 4 chunks of 16-byte pieces straight from
@@ -39,7 +50,8 @@
 // are batched.
 //
 // Shapes the kernels do not take (K % 8 != 0, unaligned pools, R < 8 or
-// R > 64, or a plan larger than shared memory) go to the seed kernels; fp32
+// R > 64, or a plan larger than the plan kernel's shared memory) go to the
+// seed kernels; fp32
 // goes to rows_f32.cu.
 
 #include "fast/fast_common.cuh"
@@ -53,6 +65,9 @@ constexpr int kDecWarps = kDecThreads / 32;
 constexpr int kBatchRows = 16;    // rows per batch: M of the expand, two n8 tiles of the shrink
 constexpr int kDecMaxRank = 64;   // 4 rank tiles of 16
 constexpr int kDecSmemCap = 200 * 1024;
+constexpr int kScanMaxRows = 4096;  // rows the self-planned batch kernel keys (kScanSeg a thread)
+constexpr int kScanSeg = kScanMaxRows / kDecThreads;
+static_assert(kScanSeg <= 32, "a thread's rows are one 32-bit mask");
 constexpr int kPlanThreads = 1024;
 constexpr int kPlanWarps = kPlanThreads / 32;
 static_assert(kPlanWarps == 32, "the plan kernel scans its warp sums with one warp");
@@ -64,13 +79,13 @@ __host__ __device__ constexpr int rank_tiles(int R) { return R <= 16 ? 1 : (R <=
 struct DecodeLayout {
   int r16, xs;  // ranks of the kernel's RT rank tiles (16, 32 or 64); xa row stride
   int off_part, off_xa, off_rows, total;
-  __host__ __device__ explicit DecodeLayout(int R) {
+  __host__ __device__ explicit DecodeLayout(int R, int rows = kBatchRows) {
     r16 = 16 * rank_tiles(R);
     xs = r16 + 8;
     int o = 0;
     off_part = o; o += kDecWarps * kBatchRows * r16 * 4;
     off_xa = o; o += (kBatchRows * xs * 2 + 15) / 16 * 16;
-    off_rows = o; o += kBatchRows * 4;
+    off_rows = o; o += rows * 4;
     total = (o + 15) / 16 * 16;
   }
 };
@@ -95,7 +110,8 @@ __host__ __device__ inline int64_t plan_smem(int64_t n_slots, int64_t nkeys) {
 struct DecodeParams {
   GatherArgs a;
   int nkeys;        // L * E_t
-  int max_batches;  // batch table entries (the batch kernel's grid.x)
+  int max_batches;  // batch table entries (the batch kernel's grid.x after a plan)
+  int slices;       // CTAs per cell of the self-planned batch kernel
   int64_t chunk_w;  // output columns per CTA, a multiple of 32
   bool nvec;        // N % 8 == 0 and out 16-byte aligned: 16-byte output accesses
 };
@@ -120,6 +136,15 @@ __device__ __forceinline__ uint2 ldg8(const uint16_t* p) {
 template <int RT>
 constexpr int shrink_unroll() { return RT == 1 ? 4 : (RT == 2 ? 2 : 1); }
 
+// Row i's cell key l * E + e, or -1 when the row is skipped (gather_row_cell's
+// rule, in 32-bit arithmetic: the callers take fewer than 2^31 rows).
+__device__ __forceinline__ int row_key(const GatherArgs& a, int i, int L, int E, int top_k) {
+  const int ad = a.has_row_adapter ? a.row_adapter[i / top_k] : 0;
+  const int e = a.indices[i];
+  const int l = L == 1 ? 0 : ad;
+  return ad >= 0 && l < L && e >= 0 && e < E ? l * E + e : -1;
+}
+
 // The plan kernel (one CTA): see the top of the file. Four barriers: the
 // counts zeroed; every row keyed; every row counted (its rank within its cell
 // taken from the atomic count); the cells scanned.
@@ -141,12 +166,7 @@ __global__ void __launch_bounds__(kPlanThreads) gather_plan_kernel(const GatherA
   for (int k = tid; k < nkeys; k += kPlanThreads) s_cnt[k] = 0;
   // every row's key (gather_row_cell's rule; both loads of a row in flight at once)
 #pragma unroll 4
-  for (int i = tid; i < n_slots; i += kPlanThreads) {
-    const int ad = a.has_row_adapter ? a.row_adapter[i / top_k] : 0;
-    const int e = a.indices[i];
-    const int l = L == 1 ? 0 : ad;
-    s_key[i] = ad >= 0 && l < L && e >= 0 && e < E ? l * E + e : -1;
-  }
+  for (int i = tid; i < n_slots; i += kPlanThreads) s_key[i] = row_key(a, i, L, E, top_k);
   __syncthreads();
   for (int i = tid; i < n_slots; i += kPlanThreads) {
     const int key = s_key[i];
@@ -195,34 +215,66 @@ __global__ void __launch_bounds__(kPlanThreads) gather_plan_kernel(const GatherA
     if (s_key[i] >= 0) plan.rows[s_first[s_key[i]] + s_pos[i]] = i;
 }
 
+// One batch of up to kBatchRows rows of one cell (the rows' indices in
+// shared memory), on the CTA's column chunk: steps 2 and 3 of the top of the
+// file.
 template <DType D, int RT>
-__global__ void __launch_bounds__(kDecThreads) gather_cells_kernel(const DecodeParams p) {
+__device__ __forceinline__ void fold_batch(const DecodeParams& p, char* smem, const int* rows,
+                                           int cnt, int32_t pa, int32_t pb, float scale) {
   constexpr int kShrinkUnroll = shrink_unroll<RT>();
-  extern __shared__ __align__(16) char smem[];
+  constexpr int UG = RT == 1 ? 4 : (RT == 2 ? 2 : 1);  // 32-column groups a warp loads at once
   const GatherArgs& a = p.a;
   const DecodeLayout lay(int(a.R));
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
-  int* s_rows = reinterpret_cast<int*>(smem + lay.off_rows);
   float* s_part = reinterpret_cast<float*>(smem + lay.off_part);
   uint16_t* s_xa = reinterpret_cast<uint16_t*>(smem + lay.off_xa);
+  const int R = int(a.R);
+  const int64_t K = a.K, N = a.N;
 
-  // 1. the batch: cell, rows (written by the plan kernel)
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  const Plan plan = plan_of(a.xa, p.max_batches);
-  const int b = blockIdx.x;
-  const int cnt = plan.batch[3 * b + 2];
-  if (cnt == 0) return;  // uniform: past the last batch
-  const int key = plan.batch[3 * b], first = plan.batch[3 * b + 1];
-  if (tid < cnt) s_rows[tid] = plan.rows[first + tid];
-  // the cell's pair (loads in flight with the rows')
-  const int32_t pa = a.route.a_table[key], pb = a.route.b_table[key];
-  const float scale = a.route.scale_table[key];
-  __syncthreads();
-  if (pa <= 0 || pb <= 0 || pa >= a.route.pool_size || pb >= a.route.pool_size) return;
+  // The expand's operands of the 32-column groups gi0 + u * kDecWarps (step
+  // 3): lane (g, t) holds the B fragments of its n8 tiles and the base_out
+  // pieces (columns 8t .. 8t+7 of rows g and g + 8).
+  const uint16_t* B = static_cast<const uint16_t*>(a.b_pool) + int64_t(pb) * N * R;
+  uint16_t* out = static_cast<uint16_t*>(a.out);
+  const int64_t c0 = int64_t(blockIdx.y) * p.chunk_w, c1 = min(N, c0 + p.chunk_w);
+  const int ngroups = int((c1 - c0 + 31) / 32);
+  uint16_t* orow[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) orow[h] = g + 8 * h < cnt ? out + int64_t(rows[g + 8 * h]) * N : nullptr;
+  uint2 bv[UG][4][RT];
+  uint4 ov[UG][2];
+  const auto load_groups = [&](int gi0) {
+    const uint2 zero2 = make_uint2(0u, 0u);
+#pragma unroll
+    for (int u = 0; u < UG; ++u) {
+      const int64_t gc = c0 + int64_t(gi0 + u * kDecWarps) * 32;
+      const bool gin = gi0 + u * kDecWarps < ngroups;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int64_t col = gc + 8 * (g >> 1) + 2 * i + (g & 1);
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+          bv[u][i][rt] = gin && col < c1 && rt * 16 + 4 * t < R ? ldg8(B + col * R + rt * 16 + 4 * t) : zero2;
+      }
+      const int64_t oc = gc + 8 * t;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        ov[u][h] = make_uint4(0u, 0u, 0u, 0u);
+        if (!gin || orow[h] == nullptr || oc >= c1) continue;
+        if (p.nvec && oc + 8 <= c1) {
+          ov[u][h] = *reinterpret_cast<const uint4*>(orow[h] + oc);
+        } else {
+          uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            if (oc + j < c1) tmp[j] = orow[h][oc + j];
+          memcpy(&ov[u][h], tmp, 16);
+        }
+      }
+    }
+  };
 
   // 2. shrink: acc[rt][nt] = A[16 rt .. 16 rt + 16) . x[rows 8 nt .. 8 nt + 8)^T
-  const int R = int(a.R);
-  const int64_t K = a.K;
   const uint16_t* A = static_cast<const uint16_t*>(a.a_pool) + int64_t(pa) * R * K;
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
   const int nt_rows = cnt > 8 ? 2 : 1;
@@ -230,7 +282,7 @@ __global__ void __launch_bounds__(kDecThreads) gather_cells_kernel(const DecodeP
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
     const int q = nt * 8 + g;
-    const int64_t row = q < cnt ? s_rows[q] : 0;
+    const int64_t row = q < cnt ? rows[q] : 0;
     xr[nt] = q < cnt ? x + (a.x_gather ? row / a.top_k : row) * K : nullptr;
   }
   float acc[RT][2][4];
@@ -242,11 +294,11 @@ __global__ void __launch_bounds__(kDecThreads) gather_cells_kernel(const DecodeP
       for (int i = 0; i < 4; ++i) acc[rt][nt][i] = 0.f;
   const int nch = int((K + 31) / 32);
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  for (int c0 = w; c0 < nch; c0 += kDecWarps * kShrinkUnroll) {
+  for (int k0 = w; k0 < nch; k0 += kDecWarps * kShrinkUnroll) {
     uint4 av[kShrinkUnroll][RT][2], xv[kShrinkUnroll][2];
 #pragma unroll
     for (int u = 0; u < kShrinkUnroll; ++u) {
-      const int64_t k = int64_t(c0 + u * kDecWarps) * 32 + 8 * t;
+      const int64_t k = int64_t(k0 + u * kDecWarps) * 32 + 8 * t;
       const bool kin = k < K;
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt) {
@@ -304,46 +356,8 @@ __global__ void __launch_bounds__(kDecThreads) gather_cells_kernel(const DecodeP
     xf[rt][0] = *reinterpret_cast<const uint2*>(s_xa + g * lay.xs + rt * 16 + 4 * t);
     xf[rt][1] = *reinterpret_cast<const uint2*>(s_xa + (g + 8) * lay.xs + rt * 16 + 4 * t);
   }
-  const uint16_t* B = static_cast<const uint16_t*>(a.b_pool) + int64_t(pb) * a.N * R;
-  uint16_t* out = static_cast<uint16_t*>(a.out);
-  const int64_t N = a.N;
-  const int64_t c0 = int64_t(blockIdx.y) * p.chunk_w, c1 = min(N, c0 + p.chunk_w);
-  const int ngroups = int((c1 - c0 + 31) / 32);
-  constexpr int UG = RT == 1 ? 4 : (RT == 2 ? 2 : 1);
-  uint16_t* orow[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) orow[h] = g + 8 * h < cnt ? out + int64_t(s_rows[g + 8 * h]) * N : nullptr;
-  const uint2 zero2 = make_uint2(0u, 0u);
   for (int gi0 = w; gi0 < ngroups; gi0 += kDecWarps * UG) {
-    uint2 bv[UG][4][RT];
-    uint4 ov[UG][2];
-#pragma unroll
-    for (int u = 0; u < UG; ++u) {
-      const int64_t gc = c0 + int64_t(gi0 + u * kDecWarps) * 32;
-      const bool gin = gi0 + u * kDecWarps < ngroups;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int64_t col = gc + 8 * (g >> 1) + 2 * i + (g & 1);
-#pragma unroll
-        for (int rt = 0; rt < RT; ++rt)
-          bv[u][i][rt] = gin && col < c1 && rt * 16 + 4 * t < R ? ldg8(B + col * R + rt * 16 + 4 * t) : zero2;
-      }
-      const int64_t oc = gc + 8 * t;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        ov[u][h] = make_uint4(0u, 0u, 0u, 0u);
-        if (!gin || orow[h] == nullptr || oc >= c1) continue;
-        if (p.nvec && oc + 8 <= c1) {
-          ov[u][h] = *reinterpret_cast<const uint4*>(orow[h] + oc);
-        } else {
-          uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-            if (oc + j < c1) tmp[j] = orow[h][oc + j];
-          memcpy(&ov[u][h], tmp, 16);
-        }
-      }
-    }
+    load_groups(gi0);
 #pragma unroll
     for (int u = 0; u < UG; ++u) {
       const int64_t gc = c0 + int64_t(gi0 + u * kDecWarps) * 32;
@@ -384,6 +398,83 @@ __global__ void __launch_bounds__(kDecThreads) gather_cells_kernel(const DecodeP
   }
 }
 
+// Whether a cell's pair folds (fold_common.h's rule).
+__device__ __forceinline__ bool pair_folds(const GatherArgs& a, int32_t pa, int32_t pb) {
+  return pa > 0 && pb > 0 && pa < a.route.pool_size && pb < a.route.pool_size;
+}
+
+// The batch kernel after the plan kernel (programmatic dependent launch): one
+// CTA per (batch of the plan, column chunk).
+template <DType D, int RT>
+__global__ void __launch_bounds__(kDecThreads) gather_cells_kernel(const DecodeParams p) {
+  extern __shared__ __align__(16) char smem[];
+  const GatherArgs& a = p.a;
+  const DecodeLayout lay(int(a.R));
+  int* s_rows = reinterpret_cast<int*>(smem + lay.off_rows);
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  const Plan plan = plan_of(a.xa, p.max_batches);
+  const int b = blockIdx.x;
+  const int cnt = plan.batch[3 * b + 2];
+  if (cnt == 0) return;  // uniform: past the last batch
+  const int key = plan.batch[3 * b], first = plan.batch[3 * b + 1];
+  if (threadIdx.x < cnt) s_rows[threadIdx.x] = plan.rows[first + threadIdx.x];
+  // the cell's pair (loads in flight with the rows')
+  const int32_t pa = a.route.a_table[key], pb = a.route.b_table[key];
+  const float scale = a.route.scale_table[key];
+  __syncthreads();
+  if (!pair_folds(a, pa, pb)) return;
+  fold_batch<D, RT>(p, smem, s_rows, cnt, pa, pb, scale);
+}
+
+// The self-planned batch kernel (up to kScanMaxRows rows, no plan kernel):
+// one CTA per (cell, slice, column chunk). Each thread keys kScanSeg
+// consecutive rows (all their loads in flight with the cell's pair), the
+// CTA ranks the cell's rows in row order (a scan of the threads' counts) and
+// folds the batches slice, slice + slices, ... of them.
+template <DType D, int RT>
+__global__ void __launch_bounds__(kDecThreads, 2) gather_cells_scan_kernel(const DecodeParams p) {
+  extern __shared__ __align__(16) char smem[];
+  const GatherArgs& a = p.a;
+  const DecodeLayout lay(int(a.R));
+  int* s_rows = reinterpret_cast<int*>(smem + lay.off_rows);  // [kScanMaxRows]
+  int* s_wsum = reinterpret_cast<int*>(smem + lay.off_part);  // [kDecWarps], before s_part is used
+  const int key = int(blockIdx.x) / p.slices, slice = int(blockIdx.x) % p.slices;
+  const int32_t pa = a.route.a_table[key], pb = a.route.b_table[key];
+  const float scale = a.route.scale_table[key];
+  const int n_slots = int(a.n_slots), L = int(a.route.num_loras), E = int(a.route.n_experts);
+  const int top_k = int(a.top_k);
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int seg = (n_slots + kDecThreads - 1) / kDecThreads, r0 = tid * seg;
+  unsigned mine = 0;
+#pragma unroll
+  for (int j = 0; j < kScanSeg; ++j)
+    if (j < seg && r0 + j < n_slots && row_key(a, r0 + j, L, E, top_k) == key) mine |= 1u << j;
+  const int n = __popc(mine);
+  int incl = n;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == 31) s_wsum[w] = incl;
+  __syncthreads();
+  int rank = incl - n, total = 0;
+#pragma unroll
+  for (int ww = 0; ww < kDecWarps; ++ww) {
+    const int s = s_wsum[ww];
+    rank += ww < w ? s : 0;
+    total += s;
+  }
+  for (; mine != 0; mine &= mine - 1) s_rows[rank++] = r0 + __ffs(mine) - 1;
+  __syncthreads();
+  if (!pair_folds(a, pa, pb)) return;  // uniform
+  for (int b = slice; b * kBatchRows < total; b += p.slices) {
+    if (b > slice) __syncthreads();  // the previous batch is done with s_part and s_xa
+    fold_batch<D, RT>(p, smem, s_rows + b * kBatchRows, min(kBatchRows, total - b * kBatchRows),
+                      pa, pb, scale);
+  }
+}
+
 // Output columns per CTA: enough CTAs for two per SM when the cells are
 // few, in whole 32-column groups of at least 64 columns (each chunk repeats
 // the shrink of its batch).
@@ -394,9 +485,20 @@ int64_t decode_chunk_w(int64_t N, int64_t batches) {
   return (w + 31) / 32 * 32;
 }
 
-// The plan kernel, then the batch kernel with programmatic dependent launch.
+// The self-planned batch kernel when p.slices > 0, else the plan kernel,
+// then the batch kernel with programmatic dependent launch.
 template <DType D, int RT>
 cudaError_t gather_cells_rt(const DecodeParams& p, int plan_bytes, cudaStream_t stream) {
+  const unsigned chunks = unsigned((p.a.N + p.chunk_w - 1) / p.chunk_w);
+  if (p.slices > 0) {
+    const DecodeLayout lay(int(p.a.R), kScanMaxRows);
+    auto kernel = gather_cells_scan_kernel<D, RT>;
+    if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(kernel), lay.total);
+        err != cudaSuccess)
+      return err;
+    kernel<<<dim3(unsigned(p.nkeys * p.slices), chunks, 1), kDecThreads, lay.total, stream>>>(p);
+    return cudaPeekAtLastError();
+  }
   if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(gather_plan_kernel),
                                           plan_bytes);
       err != cudaSuccess)
@@ -408,8 +510,20 @@ cudaError_t gather_cells_rt(const DecodeParams& p, int plan_bytes, cudaStream_t 
   if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(kernel), lay.total);
       err != cudaSuccess)
     return err;
-  const dim3 grid(unsigned(p.max_batches), unsigned((p.a.N + p.chunk_w - 1) / p.chunk_w), 1);
-  return launch_dependent(kernel, grid, kDecThreads, lay.total, stream, p);
+  return launch_dependent(kernel, dim3(unsigned(p.max_batches), chunks, 1), kDecThreads, lay.total,
+                          stream, p);
+}
+
+// CTAs per cell of the self-planned batch kernel (0: plan it with the plan
+// kernel). It takes up to kScanMaxRows rows while the ids all its CTAs read
+// (4 bytes a row a CTA) stay within kScanMaxIds; a cell's batches are spread
+// over enough CTAs for twice the mean rows of a cell.
+int cells_scan_slices(int64_t n_slots, int64_t nkeys) {
+  constexpr int64_t kScanMaxIds = int64_t(4) << 20;
+  constexpr int64_t kMaxSlices = 8;
+  const int64_t slices = std::clamp<int64_t>(
+      (2 * n_slots + nkeys * kBatchRows - 1) / (nkeys * kBatchRows), 1, kMaxSlices);
+  return n_slots <= kScanMaxRows && nkeys * slices * n_slots <= kScanMaxIds ? int(slices) : 0;
 }
 
 // Whether the decode cells kernels take these arguments, and their launch.
@@ -419,14 +533,16 @@ bool gather_cells(const GatherArgs& a, cudaStream_t stream, cudaError_t* err) {
       !aligned16(a.b_pool) || !aligned16(a.xa) || a.n_slots >= INT_MAX / 4)
     return false;
   const int64_t nkeys = a.route.num_loras * a.route.n_experts;
-  const int64_t plan_bytes = plan_smem(a.n_slots, nkeys);
-  if (nkeys <= 0 || plan_bytes > kDecSmemCap) return false;
+  if (nkeys <= 0 || nkeys >= INT_MAX / 8) return false;
   DecodeParams p;
   p.a = a;
   p.nkeys = int(nkeys);
+  p.slices = cells_scan_slices(a.n_slots, nkeys);
+  const int64_t plan_bytes = p.slices > 0 ? 0 : plan_smem(a.n_slots, nkeys);
+  if (plan_bytes > kDecSmemCap) return false;
   // batches: at most one per row, at most one per key plus one per full batch
   p.max_batches = int(std::min<int64_t>(a.n_slots, nkeys + (a.n_slots + kBatchRows - 1) / kBatchRows));
-  p.chunk_w = decode_chunk_w(a.N, std::min<int64_t>(a.n_slots, nkeys));
+  p.chunk_w = decode_chunk_w(a.N, std::min<int64_t>(a.n_slots, nkeys) * std::max(1, p.slices));
   p.nvec = a.N % 8 == 0 && aligned16(a.out);
   const bool bf16 = a.dtype == DType::kBf16;
   const int pb = int(plan_bytes);
