@@ -15,6 +15,7 @@ from types import ModuleType
 from typing import Any
 
 import jax
+from jaxlib import xla_client
 
 
 def _load_extension() -> ModuleType:
@@ -67,11 +68,19 @@ HAS_EXPERT_MATMUL: bool = ext.HAS_EXPERT_MATMUL
 
 @functools.cache
 def register() -> tuple[str, ...]:
-    """Register every FFI target the extension holds; returns the platforms."""
+    """Register every FFI target the extension holds; returns the platforms.
+
+    The CUDA targets are registered command-buffer compatible, as their C++
+    handlers declare (``kCmdBufferCompatible``: no allocation, no host sync,
+    every launch on XLA's stream). The trait the handler symbols carry is not
+    read through this registration path, so without it here XLA would launch
+    every fold from the host, outside its CUDA graphs."""
     platforms = ext.registrations()
     for platform, targets in platforms.items():
+        traits = (xla_client.CustomCallTargetTraits.DEFAULT if platform == "cpu"
+                  else xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
         for name, capsule in targets.items():
-            jax.ffi.register_ffi_target(name, capsule, platform=platform)
+            jax.ffi.register_ffi_target(name, capsule, platform=platform, traits=traits)
     return tuple(platforms)
 
 
