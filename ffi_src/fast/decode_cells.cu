@@ -14,8 +14,8 @@
 // A cell is one (table row, expert) pair: one A block [R, K] and one B block
 // [N, R]. A batch is up to kBatchRows rows of one cell. The rows are grouped
 // by cell in one of two ways:
-//   1a. up to kScanMaxRows rows (every decode batch of the benchmark, and
-//      Qwen3's gate+up stacked at T = 256), one launch: the self-planned batch
+//   1a. up to kScanMaxRows rows, at least 2 a cell on average (T = 256,
+//      Mixtral from T = 64; cells_scan_slices), one launch: the self-planned batch
 //      kernel runs one CTA of 256 threads per (cell, slice, column chunk).
 //      Each thread keys up to 16 consecutive rows (l * E_t + e, or -1 when the row
 //      is skipped; all their loads in flight with the cell's table entries),
@@ -25,7 +25,7 @@
 //      slices for twice a cell's mean rows). Measured against 1b on an H200
 //      (4 adapters, rank 16): Qwen3 gate T = 256 27.9 -> 24.0 µs, down 33.1
 //      -> 29.7, DeepSeek gate 19.7 -> 14.6, Mixtral down 53.3 -> 31.9.
-//   1b. more rows, two launches: the plan kernel (one CTA of 1024 threads)
+//   1b. otherwise two launches: the plan kernel (one CTA of 1024 threads)
 //      keys every row, counts the rows of each cell in shared memory, scans
 //      the counts and writes the batch table (cell, first row, row count;
 //      count 0 past the last batch) and the rows grouped by cell into the
@@ -515,15 +515,21 @@ cudaError_t gather_cells_rt(const DecodeParams& p, int plan_bytes, cudaStream_t 
 }
 
 // CTAs per cell of the self-planned batch kernel (0: plan it with the plan
-// kernel). It takes up to kScanMaxRows rows while the ids all its CTAs read
+// kernel). It takes up to kScanMaxRows rows, at least kScanMinRowsPerCell a
+// cell on average (with fewer, most of its CTAs, one per cell, find no row:
+// Mixtral at T = 1 has 2 rows for 32 cells), while the ids all its CTAs read
 // (4 bytes a row a CTA) stay within kScanMaxIds; a cell's batches are spread
 // over enough CTAs for twice the mean rows of a cell.
 int cells_scan_slices(int64_t n_slots, int64_t nkeys) {
+  constexpr int64_t kScanMinRowsPerCell = 2;
   constexpr int64_t kScanMaxIds = int64_t(4) << 20;
   constexpr int64_t kMaxSlices = 8;
   const int64_t slices = std::clamp<int64_t>(
       (2 * n_slots + nkeys * kBatchRows - 1) / (nkeys * kBatchRows), 1, kMaxSlices);
-  return n_slots <= kScanMaxRows && nkeys * slices * n_slots <= kScanMaxIds ? int(slices) : 0;
+  return n_slots <= kScanMaxRows && n_slots >= kScanMinRowsPerCell * nkeys &&
+                 nkeys * slices * n_slots <= kScanMaxIds
+             ? int(slices)
+             : 0;
 }
 
 // Whether the decode cells kernels take these arguments, and their launch.
