@@ -16,16 +16,16 @@
 // by cell in one of two ways:
 //   1a. up to kScanMaxRows rows, at least one a cell on average (T = 256,
 //      Mixtral from T = 16, ranks 32 and 64 at T = 64; cells_scan_slices),
-//      one launch: the self-planned batch
-//      kernel runs one CTA of 256 threads per (cell, slice, column chunk).
-//      Each thread keys up to 16 consecutive rows (l * E_t + e, or -1 when the row
-//      is skipped; all their loads in flight with the cell's table entries),
-//      the CTA ranks its cell's rows in row order (a scan of the threads'
-//      counts, in shared memory) and folds the batches slice, slice +
-//      slices, ... of them one after the other (cells_scan_slices: enough
-//      slices for twice a cell's mean rows). Measured against 1b on an H200
-//      (4 adapters, rank 16): Qwen3 gate T = 256 27.9 -> 24.0 µs, down 33.1
-//      -> 29.7, DeepSeek gate 19.7 -> 14.6, Mixtral down 53.3 -> 31.9.
+//      one launch: the self-planned batch kernel runs one CTA of 256 threads
+//      per (cell, slice, column chunk). Each thread keys up to 16
+//      consecutive rows (l * E_t + e, or -1 when the row is skipped; all
+//      their loads in flight with the cell's table entries), the CTA ranks
+//      its cell's rows in row order (a scan of the threads' counts, in shared
+//      memory) and folds the batches slice, slice + slices, ... of them one
+//      after the other (enough slices for twice a cell's mean rows).
+//      Measured against 1b on an H200 (4 adapters, rank 16): Qwen3 gate
+//      T = 256 27.9 -> 24.0 µs, down 33.1 -> 29.7, DeepSeek gate 19.7 -> 14.6,
+//      Mixtral down 53.3 -> 31.9.
 //   1b. otherwise two launches: the plan kernel (one CTA of 1024 threads)
 //      keys every row, counts the rows of each cell in shared memory, scans
 //      the counts and writes the batch table (cell, first row, row count;
