@@ -584,7 +584,8 @@ cudaError_t launch_gather_fast(const GatherArgs& args, cudaStream_t stream) {
   // about one row a cell) 10.5 against 16.0 µs, down 11.4 against 20.7,
   // DeepSeek gate 9.8 against 11.6; the decode step's gate+up stacked and
   // down folds 151 against 223 µs a step; Qwen3 gate+up stacked T = 64 at
-  // rank 32 (184 MB) 55.1 against 48.7 µs, gate T = 64 at rank 64 (184 MB)
+  // rank 32 (184 MB) 55.1 against 48.7 µs (cells grouped by the plan
+  // kernel; not measured since), gate T = 64 at rank 64 (184 MB)
   // 58.9 against 46.4 µs.
   constexpr int64_t kRowsL2Budget = int64_t(48) << 20;
   constexpr int64_t kRowsL2Cap = int64_t(96) << 20;
