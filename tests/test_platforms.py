@@ -163,3 +163,23 @@ def test_needs_extra_rejects_an_unknown_extra():
     with pytest.raises(ValueError, match="extra must be one of"):
         with needs_extra("gpu", "x"):
             pass
+
+
+def test_cuda_targets_are_registered_command_buffer_compatible(monkeypatch):
+    """Every CUDA target is registered with the command-buffer trait its C++
+    handler declares (so XLA may capture it in a CUDA graph); the CPU targets
+    keep the default traits."""
+    from jaxlib import xla_client
+
+    seen = []
+    monkeypatch.setattr(jax.ffi, "register_ffi_target",
+                        lambda name, capsule, platform, traits: seen.append(
+                            (name, platform, traits)))
+    platforms = _ext.register.__wrapped__()
+    assert set(platforms) == {p for _, p, _ in seen}
+    traits = xla_client.CustomCallTargetTraits
+    assert {t for _, p, t in seen if p == "cpu"} == {traits.DEFAULT}
+    cuda = [(n, t) for n, p, t in seen if p != "cpu"]
+    assert all(t == traits.COMMAND_BUFFER_COMPATIBLE for _, t in cuda)
+    if _ext.HAS_CUDA:
+        assert {n for n, _ in cuda} >= set(TARGETS)
