@@ -117,16 +117,20 @@ struct DecodeParams {
   bool nvec;        // N % 8 == 0 and out 16-byte aligned: 16-byte output accesses
 };
 
-// Inclusive scans of two counts across a warp (lane = threadIdx.x % 32).
-__device__ __forceinline__ void warp_inclusive_scan2(int lane, int& a, int& b) {
+// Inclusive scan of a count across a warp (lane = threadIdx.x % 32).
+__device__ __forceinline__ int warp_inclusive_scan(int lane, int a) {
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    const int av = __shfl_up_sync(0xffffffffu, a, o), bv = __shfl_up_sync(0xffffffffu, b, o);
-    if (lane >= o) {
-      a += av;
-      b += bv;
-    }
+    const int v = __shfl_up_sync(0xffffffffu, a, o);
+    if (lane >= o) a += v;
   }
+  return a;
+}
+
+// The same for two counts.
+__device__ __forceinline__ void warp_inclusive_scan2(int lane, int& a, int& b) {
+  a = warp_inclusive_scan(lane, a);
+  b = warp_inclusive_scan(lane, b);
 }
 
 __device__ __forceinline__ uint2 ldg8(const uint16_t* p) {
@@ -428,7 +432,7 @@ __global__ void __launch_bounds__(kDecThreads) gather_cells_kernel(const DecodeP
 }
 
 // The self-planned batch kernel (up to kScanMaxRows rows, no plan kernel):
-// one CTA per (cell, slice, column chunk). Each thread keys kScanSeg
+// one CTA per (cell, slice, column chunk). Each thread keys up to kScanSeg
 // consecutive rows (all their loads in flight with the cell's pair), the
 // CTA ranks the cell's rows in row order (a scan of the threads' counts) and
 // folds the batches slice, slice + slices, ... of them.
@@ -451,12 +455,7 @@ __global__ void __launch_bounds__(kDecThreads, 2) gather_cells_scan_kernel(const
   for (int j = 0; j < kScanSeg; ++j)
     if (j < seg && r0 + j < n_slots && row_key(a, r0 + j, L, E, top_k) == key) mine |= 1u << j;
   const int n = __popc(mine);
-  int incl = n;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += v;
-  }
+  const int incl = warp_inclusive_scan(lane, n);
   if (lane == 31) s_wsum[w] = incl;
   __syncthreads();
   int rank = incl - n, total = 0;
