@@ -6,7 +6,8 @@
 // (one A block [R, K]). One CTA of kCellThreads runs a batch on the tensor
 // cores: K streams in chunks of kCellKc through an S-stage cp.async pipeline
 // (the chunk of A for RP ranks and of the batch's x rows, in shared memory,
-// up to S chunks in flight); warp w multiplies the 32-wide slice w of every
+// up to S chunks in flight; warp w copies rows w, w + 8, ... of a chunk, a
+// 16-byte piece a lane, from row addresses resolved once a pass); warp w multiplies the 32-wide slice w of every
 // chunk (mma m16n8k16, rank in M, rows in N, fp32); the 8 warp partials are
 // summed in warp order and rounded into xa (activation dtype), then stored.
 // Ranks go in passes of RP = 16 * SP, SP * NRG = 8 accumulator tiles per warp.
@@ -28,12 +29,13 @@ constexpr int kCellAStride = kCellKc * 2 + 32;  // bytes per A row: rows 2 apart
 constexpr int kCellXStride = kCellKc * 2 + 64;  // bytes per x row: adjacent rows 64 B apart
 constexpr int kCellStageBudget = 96 * 1024;     // shared memory for the pipeline stages
 constexpr int kCellMaxStages = 4;
+constexpr int kCellMaxCopyRows = 80;           // A rows + x rows of a pass: rp + mr <= 80
 
 // Shared memory of a cells CTA (byte offsets).
 struct CellLayout {
   int mr, r16, rp, xs;  // rows per batch, R rounded to 16, ranks per pass, xa row stride
   int stage, stages;
-  int off_stage, off_xa, off_list, off_xrow, off_orow, off_misc, total;
+  int off_stage, off_xa, off_list, off_xrow, off_orow, off_misc, off_src, total;
   __host__ __device__ CellLayout(int nrg, int R, int nstages) {
     mr = 8 * nrg;
     r16 = (R + 15) / 16 * 16;
@@ -50,6 +52,7 @@ struct CellLayout {
     off_xrow = o; o += mr * 4;
     off_orow = o; o += mr * 4;
     off_misc = o; o += 64 * 4;
+    off_src = o; o += kCellMaxCopyRows * 8;  // a pass's row addresses
     total = (o + 127) / 128 * 128;
   }
   static int stages_for(int nrg, int R) {
@@ -74,7 +77,6 @@ template <DType D, int NRG>
 __device__ void cell_shrink(char* smem, const CellLayout& lay, int nrows, const uint16_t* x,
                             const uint16_t* A, int64_t K, int R) {
   constexpr int SP = NRG >= 8 ? 1 : 8 / NRG;
-  constexpr int kPieces = kCellKc / 8;  // 16-byte pieces per row of a chunk
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
   const int* s_xrow = reinterpret_cast<const int*>(smem + lay.off_xrow);
   uint16_t* xa = reinterpret_cast<uint16_t*>(smem + lay.off_xa);
@@ -82,31 +84,31 @@ __device__ void cell_shrink(char* smem, const CellLayout& lay, int nrows, const 
   float* wbuf = reinterpret_cast<float*>(stages);
   const int nch = int((K + kCellKc - 1) / kCellKc);
   const int nrg = (nrows + 7) / 8;
+  const uint16_t** s_src = reinterpret_cast<const uint16_t**>(smem + lay.off_src);
   for (int p0 = 0; p0 < lay.r16; p0 += lay.rp) {
     const int rp = min(lay.rp, lay.r16 - p0);
     const int nslab = rp / 16;
-    const int npieces = (rp + nrg * 8) * kPieces;
+    const int ncopy = rp + nrg * 8;  // stage rows: rp of A, then the row groups' x rows
+    // the start of each stage row in global memory, or null (zero-filled)
+    for (int ri = tid; ri < ncopy; ri += kCellThreads) {
+      const uint16_t* src = nullptr;
+      if (ri < rp) {
+        if (p0 + ri < R) src = A + int64_t(p0 + ri) * K;
+      } else if (ri - rp < nrows) {
+        src = x + int64_t(s_xrow[ri - rp]) * K;
+      }
+      s_src[ri] = src;
+    }
+    __syncthreads();
+    // warp w: rows w, w + 8, ... of chunk c, lane l the 16 bytes at k = kb + 8 l
     auto issue = [&](int c, int buf) {
       char* st = stages + buf * lay.stage;
-      const int64_t kb = int64_t(c) * kCellKc;
-      for (int i = tid; i < npieces; i += kCellThreads) {
-        const int ri = i / kPieces, seg = i - ri * kPieces;
-        const int64_t k = kb + seg * 8;
-        const uint16_t* src = A;
-        bool valid;
-        char* dst;
-        if (ri < rp) {
-          const int j = p0 + ri;
-          valid = j < R && k < K;
-          if (valid) src = A + int64_t(j) * K + k;
-          dst = st + ri * kCellAStride + seg * 16;
-        } else {
-          const int q = ri - rp;
-          valid = q < nrows && k < K;
-          if (valid) src = x + int64_t(s_xrow[q]) * K + k;
-          dst = st + rp * kCellAStride + q * kCellXStride + seg * 16;
-        }
-        cp_async16(dst, src, valid);
+      const int64_t k = int64_t(c) * kCellKc + 8 * lane;
+      for (int ri = w; ri < ncopy; ri += kCellWarps) {
+        const uint16_t* src = s_src[ri];
+        const bool valid = src != nullptr && k < K;
+        char* dst = st + (ri < rp ? ri * kCellAStride : rp * kCellAStride + (ri - rp) * kCellXStride);
+        cp_async16(dst + 16 * lane, valid ? src + k : A, valid);
       }
     };
     float acc[SP][NRG][4];
@@ -315,15 +317,21 @@ cudaError_t grouped_shrink_nrg(const GroupedArgs& a, cudaStream_t stream) {
 }  // namespace
 
 // Tiles of 64 rows at rank <= 16, 32 at rank <= 32, else 16 (the
-// accumulators of a warp stay at 8 tensor-core tiles). The caller checks
-// grouped_split_fits and that the window [max(0, row_offset), min(row_end,
-// te)) and min(route.n_experts, num_experts) are not empty.
+// accumulators of a warp stay at 8 tensor-core tiles); smaller tiles where
+// the rows make fewer tiles than two CTAs an SM (Mixtral's 8 experts), so
+// every SM gets work. The caller checks grouped_split_fits and that the
+// window [max(0, row_offset), min(row_end, te)) and min(route.n_experts,
+// num_experts) are not empty.
 cudaError_t launch_grouped_shrink(const GroupedArgs& a, cudaStream_t stream) {
+  const int64_t rows = std::min<int64_t>(a.row_end, a.te) - std::max<int64_t>(0, a.row_offset);
+  const int64_t e_eff = std::min<int64_t>(a.route.n_experts, a.num_experts);
+  int nrg = a.R <= 16 ? 8 : (a.R <= 32 ? 4 : 2);
+  while (nrg > 2 && rows / (8 * nrg) + e_eff < 2 * int64_t(sm_count())) nrg /= 2;
   const bool bf16 = a.dtype == DType::kBf16;
-  if (a.R <= 16)
+  if (nrg == 8)
     return bf16 ? grouped_shrink_nrg<DType::kBf16, 8>(a, stream)
                 : grouped_shrink_nrg<DType::kF16, 8>(a, stream);
-  if (a.R <= 32)
+  if (nrg == 4)
     return bf16 ? grouped_shrink_nrg<DType::kBf16, 4>(a, stream)
                 : grouped_shrink_nrg<DType::kF16, 4>(a, stream);
   return bf16 ? grouped_shrink_nrg<DType::kBf16, 2>(a, stream)
