@@ -464,15 +464,14 @@ def test_cuda_graphs_on_and_off_give_the_same_bits(tmp_path, impl):
     dict(num_loras=1, k_in=512, n_out=320),                       # split kernels
     dict(num_loras=3, k_in=1024, n_out=520),                      # cells mixed in tiles
     dict(num_loras=3, k_in=1416, n_out=136),                      # K % 256 != 0: a short chunk
-    dict(num_loras=4, k_in=512, n_out=136, rows_per_expert=1500),  # 32-row tiles at rank 16
-    dict(num_loras=4, k_in=512, n_out=136, rows_per_expert=3000),  # 64-row tiles
+    dict(num_loras=4, k_in=512, n_out=136, rows_per_expert=3000),  # CTAs of 96 rows
     dict(num_loras=3, k_in=256, n_out=264, ranks=(24, 40), max_rank=40),   # 32-row shrink tiles
     dict(num_loras=2, k_in=256, n_out=136, ranks=(72, 128), max_rank=128),  # rank passes
     dict(num_loras=3, k_in=260, n_out=320),                       # K % 8 != 0: seed kernels
     dict(num_loras=3, k_in=256, n_out=202),                       # N % 8 != 0: seed kernels
     dict(num_loras=2, k_in=256, n_out=136, n_experts=64, extra_experts=1100,  # offsets
          rows_per_expert=4),
-], ids=["L1", "L3", "K1416", "L4-rows10k", "L4-rows20k", "L3-R40", "L2-R128", "K260-seed", "N202-seed", "E1106"])
+], ids=["L1", "L3", "K1416", "L4-rows20k", "L3-R40", "L2-R128", "K260-seed", "N202-seed", "E1106"])
 @pytest.mark.parametrize("x_gather", [0, 1])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("impl", [pytest.param("fast", marks=GPU)])
@@ -480,9 +479,9 @@ def test_fast_grouped_kernels_match_reference(rng, impl, dtype, x_gather, shape)
     """The fast grouped fold (launch_grouped_fast: the shrink and expand
     kernels, or the seed kernels for shapes they cannot read in 16-byte
     vectors), whole and in a window that cuts tiles, against the reference.
-    The shrink's tiles are 64 rows at rank 16 when the rows make at least two
-    tiles an SM (132 SMs: rows10k takes 32-row tiles, rows20k 64-row tiles,
-    the smaller cases and windows 16-row tiles); K1416 ends in a short chunk.
+    The shrink's CTAs own 32-row runs of the window in the small cases, more
+    in rows20k (64-row tiles and shorter ones at the runs' and experts' ends;
+    264 CTAs on 132 SMs); K1416 ends in a short chunk.
     E1106: more expert_offsets than the expand keeps in shared memory (1024)."""
     shape = dict(shape)
     kw = dict(ranks=shape.pop("ranks", (8, 16)), max_rank=shape.pop("max_rank", 16),

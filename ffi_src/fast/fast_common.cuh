@@ -205,7 +205,8 @@ __device__ __forceinline__ void rank_tile_rows(const int* s_key, int* s_part, in
 // Launch parameters of the grouped shrink kernel.
 struct GroupedParams {
   GroupedArgs a;
-  int e_eff;  // experts with tiles: min(table length, num_experts)
+  int e_eff;             // experts with tiles: min(table length, num_experts)
+  int64_t rows_per_cta;  // rows of the window each CTA owns
 };
 
 // ------------------------------------------------------------- host --------

@@ -7,14 +7,16 @@
 // cores: K streams in chunks of kCellKc through an S-stage cp.async pipeline
 // (the chunk of A for RP ranks and of the batch's x rows, in shared memory,
 // up to S chunks in flight; warp w copies rows w, w + 8, ... of a chunk, a
-// 16-byte piece a lane, from row addresses resolved once a pass); warp w multiplies the 32-wide slice w of every
-// chunk (mma m16n8k16, rank in M, rows in N, fp32); the 8 warp partials are
-// summed in warp order and rounded into xa (activation dtype), then stored.
-// Ranks go in passes of RP = 16 * SP, SP * NRG = 8 accumulator tiles per warp.
-// Persistent CTAs walk the MR-row tiles of the expert spans in round-major
-// order; a tile's rows with one table row form a batch (one pass over K per
-// adapter in the tile), so x is read once per row whatever the number of
-// adapters in a tile.
+// 16-byte piece a lane, from row addresses resolved once a pass); warp w
+// multiplies the 32-wide slice w of every chunk (mma m16n8k16, rank in M,
+// rows in N, fp32); the 8 warp partials are summed in warp order and rounded
+// into xa (activation dtype), then stored. Ranks go in passes of
+// RP = 16 * SP, SP * NRG = 8 accumulator tiles per warp.
+// One wave of CTAs, each owning an equal run of the window's rows, walks its
+// run in tiles of up to MR rows of one expert; a tile's rows with one table
+// row form a batch (one pass over K per adapter in the tile), so x is read
+// once per row whatever the number of adapters in a tile. A row's bits do
+// not depend on the tiles or the runs.
 
 #include "fast/fast_common.cuh"
 
@@ -210,38 +212,56 @@ __global__ void __launch_bounds__(kCellThreads, 2) grouped_shrink_kernel(const G
   int* s_tok = s_l + 64;
   int* s_xrow = reinterpret_cast<int*>(smem + lay.off_xrow);
   int* s_orow = reinterpret_cast<int*>(smem + lay.off_orow);
-  auto span = [&](int e, int64_t* start, int64_t* len) {
-    int64_t s0 = a.expert_offsets[e], s1 = a.expert_offsets[e + 1];
-    s0 = min(max(s0, lo), hi);
-    s1 = min(max(s1, s0), hi);
-    *start = s0;
-    *len = s1 - s0;
+  // This CTA's rows: [c_lo, c_hi), rows_per_cta of the window. The experts
+  // whose spans meet them are consecutive (offsets non-decreasing): found
+  // in one round trip, every thread testing its share of the experts.
+  const int64_t c_lo = lo + int64_t(blockIdx.x) * prm.rows_per_cta;
+  const int64_t c_hi = min(hi, c_lo + prm.rows_per_cta);
+  auto span = [&](int e, int64_t* s0, int64_t* s1) {  // expert e's rows within [c_lo, c_hi)
+    *s0 = min(max(int64_t(a.expert_offsets[e]), c_lo), c_hi);
+    *s1 = min(max(int64_t(a.expert_offsets[e + 1]), *s0), c_hi);
   };
-  int local_max = 0;
+  int e_first = INT_MAX, e_last = -1;
   for (int e = tid; e < E; e += kCellThreads) {
-    int64_t st, ln;
-    span(e, &st, &ln);
-    local_max = max(local_max, int((ln + MR - 1) / MR));
+    int64_t s0, s1;
+    span(e, &s0, &s1);
+    if (s0 < s1) {
+      e_first = min(e_first, e);
+      e_last = max(e_last, e);
+    }
   }
-  local_max = __reduce_max_sync(0xffffffffu, local_max);
-  if (lane == 0) s_misc[tid >> 5] = local_max;
+  e_first = __reduce_min_sync(0xffffffffu, e_first);
+  e_last = __reduce_max_sync(0xffffffffu, e_last);
+  if (lane == 0) {
+    s_misc[tid >> 5] = e_first;
+    s_misc[kCellWarps + (tid >> 5)] = e_last;
+  }
   __syncthreads();
-  int max_tiles = 0;
 #pragma unroll
-  for (int i = 0; i < kCellWarps; ++i) max_tiles = max(max_tiles, s_misc[i]);
+  for (int i = 0; i < kCellWarps; ++i) {
+    e_first = min(e_first, s_misc[i]);
+    e_last = max(e_last, s_misc[kCellWarps + i]);
+  }
   __syncthreads();
   const RouteView& rt = a.route;
   const bool need_tok = a.x_gather || a.has_row_adapter;
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
   uint16_t* xa_out = static_cast<uint16_t*>(a.xa);
-  const int64_t total_v = int64_t(E) * max_tiles;
-  for (int64_t v = blockIdx.x; v < total_v; v += gridDim.x) {
-    const int i = int(v / E), e = int(v % E);
-    int64_t st, ln;
-    span(e, &st, &ln);
-    const int64_t r0 = st + int64_t(i) * MR;
-    if (r0 >= st + ln) continue;  // uniform over the CTA
-    const int cnt = int(min(int64_t(MR), st + ln - r0));
+  // tiles: up to MR consecutive rows of one expert, in row order
+  int e = e_first;
+  int64_t r0 = 0, st = 0, en = 0;
+  if (e <= e_last) {
+    span(e, &st, &en);
+    r0 = st;
+  }
+  for (; e <= e_last; r0 += MR) {
+    if (r0 >= en) {  // the next expert with rows here (uniform over the CTA)
+      if (++e > e_last) break;
+      span(e, &st, &en);
+      r0 = st - MR;
+      continue;
+    }
+    const int cnt = int(min(int64_t(MR), en - r0));
     if (tid < 64) {
       int lv = -1, tok = 0;
       if (tid < cnt) {
@@ -299,7 +319,6 @@ cudaError_t grouped_shrink_nrg(const GroupedArgs& a, cudaStream_t stream) {
   prm.e_eff = int(std::min<int64_t>(a.route.n_experts, a.num_experts));
   const int stages = CellLayout::stages_for(NRG, int(a.R));
   const CellLayout lay(NRG, int(a.R), stages);
-  const int64_t tiles = (hi - lo + MR - 1) / MR + prm.e_eff;
   auto kernel = grouped_shrink_kernel<D, NRG>;
   if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(kernel), lay.total);
       err != cudaSuccess)
@@ -309,7 +328,13 @@ cudaError_t grouped_shrink_nrg(const GroupedArgs& a, cudaStream_t stream) {
           cudaSuccess ||
       per_sm < 1)
     per_sm = 1;
-  const int64_t ctas = std::min<int64_t>(tiles, int64_t(sm_count()) * per_sm);
+  // One wave of resident CTAs with equal shares of the window's rows (a
+  // multiple of 32): the rows, not the tiles, set a CTA's work (a tile count
+  // that is not a multiple of the CTAs left ~30 % of the SMs idle at the end).
+  const int64_t resident = int64_t(sm_count()) * per_sm;
+  const int64_t share = (hi - lo + resident - 1) / resident;
+  prm.rows_per_cta = std::max<int64_t>(MR, (share + 31) / 32 * 32);
+  const int64_t ctas = (hi - lo + prm.rows_per_cta - 1) / prm.rows_per_cta;
   kernel<<<unsigned(ctas), kCellThreads, lay.total, stream>>>(prm, stages);
   return cudaPeekAtLastError();
 }
@@ -317,21 +342,15 @@ cudaError_t grouped_shrink_nrg(const GroupedArgs& a, cudaStream_t stream) {
 }  // namespace
 
 // Tiles of 64 rows at rank <= 16, 32 at rank <= 32, else 16 (the
-// accumulators of a warp stay at 8 tensor-core tiles); smaller tiles where
-// the rows make fewer tiles than two CTAs an SM (Mixtral's 8 experts), so
-// every SM gets work. The caller checks grouped_split_fits and that the
-// window [max(0, row_offset), min(row_end, te)) and min(route.n_experts,
-// num_experts) are not empty.
+// accumulators of a warp stay at 8 tensor-core tiles). The caller checks
+// grouped_split_fits and that the window [max(0, row_offset), min(row_end,
+// te)) and min(route.n_experts, num_experts) are not empty.
 cudaError_t launch_grouped_shrink(const GroupedArgs& a, cudaStream_t stream) {
-  const int64_t rows = std::min<int64_t>(a.row_end, a.te) - std::max<int64_t>(0, a.row_offset);
-  const int64_t e_eff = std::min<int64_t>(a.route.n_experts, a.num_experts);
-  int nrg = a.R <= 16 ? 8 : (a.R <= 32 ? 4 : 2);
-  while (nrg > 2 && rows / (8 * nrg) + e_eff < 2 * int64_t(sm_count())) nrg /= 2;
   const bool bf16 = a.dtype == DType::kBf16;
-  if (nrg == 8)
+  if (a.R <= 16)
     return bf16 ? grouped_shrink_nrg<DType::kBf16, 8>(a, stream)
                 : grouped_shrink_nrg<DType::kF16, 8>(a, stream);
-  if (nrg == 4)
+  if (a.R <= 32)
     return bf16 ? grouped_shrink_nrg<DType::kBf16, 4>(a, stream)
                 : grouped_shrink_nrg<DType::kF16, 4>(a, stream);
   return bf16 ? grouped_shrink_nrg<DType::kBf16, 2>(a, stream)
