@@ -380,20 +380,17 @@ __device__ __forceinline__ void fold_batch(const DecodeParams& p, char* smem, co
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if (orow[h] == nullptr || oc >= c1) continue;
-        uint16_t o[8];
-        memcpy(o, &ov[u][h], 16);
+        uint32_t o2[4];  // columns oc + 2i, oc + 2i + 1
+        memcpy(o2, &ov[u][h], 16);
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const float delta = h2f<D>(f2h<D>(d[i][2 * h + c]));
-            o[2 * i + c] = f2h<D>(fold_add(h2f<D>(o[2 * i + c]), scale, delta));
-          }
+        for (int i = 0; i < 4; ++i) o2[i] = fold_pair<D>(o2[i], scale, d[i][2 * h], d[i][2 * h + 1]);
         if (p.nvec && oc + 8 <= c1) {
           uint4 v;
-          memcpy(&v, o, 16);
+          memcpy(&v, o2, 16);
           *reinterpret_cast<uint4*>(orow[h] + oc) = v;
         } else {
+          uint16_t o[8];
+          memcpy(o, o2, 16);
 #pragma unroll
           for (int j = 0; j < 8; ++j)
             if (oc + j < c1) orow[h][oc + j] = o[j];

@@ -58,6 +58,29 @@ __device__ __forceinline__ uint16_t f2h(float f) {
   return h;
 }
 
+// Two 16-bit values packed in a 32-bit word (the first in the low half), and
+// a pair of adjacent outputs folded at once: round(out + s * round(d)) for
+// each, the roundings of fold_add on single values, converted two at a time
+// (one cvt.rn.{bf16,f16}x2.f32 instead of two).
+template <DType D>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t r;
+  if constexpr (D == DType::kBf16) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    memcpy(&r, &v, 4);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    memcpy(&r, &v, 4);
+  }
+  return r;
+}
+template <DType D>
+__device__ __forceinline__ uint32_t fold_pair(uint32_t out2, float scale, float d0, float d1) {
+  const uint32_t dr = pack2<D>(d0, d1);
+  return pack2<D>(fold_add(h2f<D>(uint16_t(out2 & 0xffffu)), scale, h2f<D>(uint16_t(dr & 0xffffu))),
+                  fold_add(h2f<D>(uint16_t(out2 >> 16)), scale, h2f<D>(uint16_t(dr >> 16))));
+}
+
 // 16-byte asynchronous copy global -> shared (zero-filled when !valid; src
 // must still be a mapped address), and the group commit and waits.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {

@@ -255,12 +255,7 @@ __global__ void __launch_bounds__(kExpThreads, kExpResident)
           for (int u = 0; u < kExpNTiles; ++u) {
             uint32_t* o =
                 reinterpret_cast<uint32_t*>(st + q * kExpOStride + 8 * (w + kExpWarps * u) + 2 * t);
-            const uint32_t ow = *o;
-            const uint32_t lo = f2h<D>(fold_add(h2f<D>(uint16_t(ow & 0xffffu)), scale,
-                                                h2f<D>(f2h<D>(acc[u][2 * h]))));
-            const uint32_t hi = f2h<D>(fold_add(h2f<D>(uint16_t(ow >> 16)), scale,
-                                                h2f<D>(f2h<D>(acc[u][2 * h + 1]))));
-            *o = lo | (hi << 16);
+            *o = fold_pair<D>(*o, scale, acc[u][2 * h], acc[u][2 * h + 1]);
           }
         }
       }
