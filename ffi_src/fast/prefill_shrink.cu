@@ -329,8 +329,9 @@ cudaError_t grouped_shrink_nrg(const GroupedArgs& a, cudaStream_t stream) {
       per_sm < 1)
     per_sm = 1;
   // One wave of resident CTAs with equal shares of the window's rows (a
-  // multiple of 32): the rows, not the tiles, set a CTA's work (a tile count
-  // that is not a multiple of the CTAs left ~30 % of the SMs idle at the end).
+  // multiple of 32), so the rows, not a count of tiles, set a CTA's work:
+  // tiles dealt round-robin to the CTAs would leave most SMs idle in the
+  // last round whenever the tiles are just past a multiple of the CTAs.
   const int64_t resident = int64_t(sm_count()) * per_sm;
   const int64_t share = (hi - lo + resident - 1) / resident;
   prm.rows_per_cta = std::max<int64_t>(MR, (share + 31) / 32 * 32);
