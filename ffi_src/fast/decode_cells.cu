@@ -22,10 +22,10 @@
 //      their loads in flight with the cell's table entries), the CTA ranks
 //      its cell's rows in row order (a scan of the threads' counts, in shared
 //      memory) and folds the batches slice, slice + slices, ... of them one
-//      after the other (enough slices for twice a cell's mean rows).
-//      Measured against 1b on an H200 (4 adapters, rank 16): Qwen3 gate
-//      T = 256 27.9 -> 24.0 µs, down 33.1 -> 29.7, DeepSeek gate 19.7 -> 14.6,
-//      Mixtral down 53.3 -> 31.9.
+//      after the other (enough slices for twice a cell's mean rows). On an
+//      H200 (4 adapters, rank 16) it takes 24.0 µs where 1b takes 27.9 for
+//      Qwen3 gate T = 256, 29.7 against 33.1 for down, 14.6 against 19.7 for
+//      DeepSeek gate, 31.9 against 53.3 for Mixtral down.
 //   1b. otherwise two launches: the plan kernel (one CTA of 1024 threads)
 //      keys every row, counts the rows of each cell in shared memory, scans
 //      the counts and writes the batch table (cell, first row, row count;
@@ -580,9 +580,8 @@ cudaError_t launch_gather_fast(const GatherArgs& args, cudaStream_t stream) {
   // about one row a cell) 10.5 against 16.0 µs, down 11.4 against 20.7,
   // DeepSeek gate 9.8 against 11.6; the decode step's gate+up stacked and
   // down folds 151 against 223 µs a step; Qwen3 gate+up stacked T = 64 at
-  // rank 32 (184 MB) 55.1 against 48.7 µs (cells grouped by the plan
-  // kernel; not measured since), gate T = 64 at rank 64 (184 MB)
-  // 58.9 against 46.4 µs.
+  // rank 32 (184 MB) 55.1 against 48.7 µs (the cells grouped by the plan
+  // kernel), gate T = 64 at rank 64 (184 MB) 58.9 against 46.4 µs.
   constexpr int64_t kRowsL2Budget = int64_t(48) << 20;
   constexpr int64_t kRowsL2Cap = int64_t(96) << 20;
   const int64_t row_blocks = args.n_slots * args.R * (args.K + args.N) * 2;

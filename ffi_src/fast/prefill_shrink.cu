@@ -31,7 +31,6 @@ constexpr int kCellAStride = kCellKc * 2 + 32;  // bytes per A row: rows 2 apart
 constexpr int kCellXStride = kCellKc * 2 + 64;  // bytes per x row: adjacent rows 64 B apart
 constexpr int kCellStageBudget = 96 * 1024;     // shared memory for the pipeline stages
 constexpr int kCellMaxStages = 4;
-constexpr int kCellMaxCopyRows = 80;           // A rows + x rows of a pass: rp + mr <= 80
 
 // Shared memory of a cells CTA (byte offsets).
 struct CellLayout {
@@ -54,7 +53,7 @@ struct CellLayout {
     off_xrow = o; o += mr * 4;
     off_orow = o; o += mr * 4;
     off_misc = o; o += 64 * 4;
-    off_src = o; o += kCellMaxCopyRows * 8;  // a pass's row addresses
+    off_src = o; o += (rp + mr) * 8;  // a pass's row addresses: A rows, then x rows
     total = (o + 127) / 128 * 128;
   }
   static int stages_for(int nrg, int R) {
