@@ -120,12 +120,14 @@ struct GatherArgs {
   bool x_gather;
 };
 
-// Everything a grouped fold launch needs.
+// Everything a grouped fold launch needs. Sorted row r reads and writes out
+// row out_rows[r] (grouped_out_row: nullptr is the identity; a row outside
+// [0, m) folds nothing).
 struct GroupedArgs {
   DType dtype;
   const void* x;            // [x_gather ? num_x_rows : te, K]
-  void* out;                // [te, N], already holds base_out
-  void* xa;                 // [te, R] scratch
+  void* out;                // [m, N], already holds base_out
+  void* xa;                 // [te, R] scratch, by sorted row
   const int32_t* expert_offsets;    // [num_experts + 1]
   const int32_t* sorted_token_ids;  // [te]
   const int32_t* row_adapter;       // [num_ra] when has_row_adapter
@@ -136,6 +138,8 @@ struct GroupedArgs {
   RouteView route;
   int64_t num_experts, te, K, N, R, row_offset, row_end;
   bool x_gather;
+  const int32_t* out_rows;  // [te], or nullptr (out row r for sorted row r)
+  int64_t m;                // rows of out (te when out_rows is nullptr)
 };
 
 // The seed-design kernels (moe_lora_gather_bgmv.cu, moe_lora_grouped_down.cu):

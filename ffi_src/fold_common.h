@@ -100,4 +100,15 @@ MOELORA_HD bool grouped_row_adapter(const int32_t* sorted_token_ids,
   return true;
 }
 
+// The base_out row a grouped fold's sorted row `row` reads and writes:
+// out_rows[row], or `row` itself when out_rows is null (the identity);
+// returns false (the row folds nothing) when it lies outside [0, m), m the
+// rows of base_out.
+MOELORA_HD bool grouped_out_row(const int32_t* out_rows, int64_t m, int64_t row,
+                                int64_t* out_row) {
+  const int64_t o = out_rows ? int64_t(out_rows[row]) : row;
+  *out_row = o;
+  return o >= 0 && o < m;
+}
+
 }  // namespace moelora

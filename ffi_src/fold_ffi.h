@@ -72,19 +72,26 @@ inline ffi::Error check_gather(ffi::AnyBuffer x, ffi::AnyBuffer base,
 }
 
 // Every check of a moe_lora_grouped_down call; fills the dims and the route.
+// The sorted rows te are sorted_token_ids' length; base_out has te rows
+// without out_rows, any number with (out_rows then holds te entries).
 inline ffi::Error check_grouped(ffi::AnyBuffer x, ffi::AnyBuffer base,
                                 ffi::Buffer<ffi::S32> expert_offsets,
-                                ffi::Buffer<ffi::S32> sorted_token_ids, ffi::AnyBuffer a_pool,
+                                ffi::Buffer<ffi::S32> sorted_token_ids,
+                                ffi::Buffer<ffi::S32> out_rows, ffi::AnyBuffer a_pool,
                                 ffi::AnyBuffer b_pool, ffi::Buffer<ffi::S32> a_table,
                                 ffi::Buffer<ffi::S32> b_table, ffi::Buffer<ffi::F32> scale_table,
-                                int64_t x_gather, Dims* d, RouteView* route) {
+                                int64_t x_gather, int64_t has_out_rows, Dims* d,
+                                RouteView* route) {
   if (auto e = check_route(x, base, a_pool, b_pool, a_table, b_table, scale_table, d, route);
       e.failure())
     return e;
-  const int64_t te = base.dimensions()[0];
+  const int64_t te = int64_t(sorted_token_ids.element_count());
   const int64_t num_experts = int64_t(expert_offsets.element_count()) - 1;
-  if (num_experts < route->n_experts || int64_t(sorted_token_ids.element_count()) != te)
-    return ffi::Error::InvalidArgument("moe_lora_grouped_down: offsets or sorted ids length");
+  if (num_experts < route->n_experts)
+    return ffi::Error::InvalidArgument("moe_lora_grouped_down: offsets length");
+  if (has_out_rows ? int64_t(out_rows.element_count()) != te : base.dimensions()[0] != te)
+    return ffi::Error::InvalidArgument(
+        "moe_lora_grouped_down: sorted ids, out_rows and base_out rows disagree");
   if (!x_gather && x.dimensions()[0] != te)
     return ffi::Error::InvalidArgument("moe_lora_grouped_down: x rows do not match x_gather");
   return ffi::Error::Success();
@@ -119,6 +126,7 @@ auto bind_grouped(B binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()            // expert_offsets
       .template Arg<ffi::Buffer<ffi::S32>>()            // sorted_token_ids
       .template Arg<ffi::Buffer<ffi::S32>>()            // row_adapter
+      .template Arg<ffi::Buffer<ffi::S32>>()            // out_rows
       .template Arg<ffi::AnyBuffer>()                   // a_pool
       .template Arg<ffi::AnyBuffer>()                   // b_pool
       .template Arg<ffi::Buffer<ffi::S32>>()            // a_table
@@ -130,6 +138,7 @@ auto bind_grouped(B binding) {
       .template Attr<int64_t>("row_end")
       .template Attr<int64_t>("x_gather")
       .template Attr<int64_t>("has_row_adapter")
+      .template Attr<int64_t>("has_out_rows")
       .template Attr<int64_t>("variant");
 }
 

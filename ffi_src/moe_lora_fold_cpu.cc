@@ -117,10 +117,11 @@ struct FoldBuffers {
       std::memcpy(out, base.untyped_data(), base.size_bytes());
   }
 
-  void fold(int64_t row, int64_t x_row, const Pair& p) const {
+  // Row `row` (its xa row) folds x row `x_row` into out row `out_row`.
+  void fold(int64_t row, int64_t x_row, int64_t out_row, const Pair& p) const {
     fold_row<C>(x + x_row * d.K, a_pool + int64_t(p.a) * d.R * d.K,
                 b_pool + int64_t(p.b) * d.N * d.R, d.K, d.R, d.N, p.scale, xa + row * d.R,
-                out + row * d.N);
+                out + out_row * d.N);
   }
 };
 
@@ -135,22 +136,27 @@ void gather_impl(ffi::AnyBuffer x, ffi::AnyBuffer base, const int32_t* indices,
     const int64_t t = row / top_k;
     Pair p;
     if (!resolve_pair(route, has_ra ? row_adapter[t] : 0, indices[row], &p)) continue;
-    buf.fold(row, x_gather ? t : row, p);
+    buf.fold(row, x_gather ? t : row, row, p);
   }
 }
 
+// te sorted rows; sorted row r folds into out row out_rows[r] (out_rows null:
+// row r), skipped when that lies outside base_out's rows.
 template <class C>
 void grouped_impl(ffi::AnyBuffer x, ffi::AnyBuffer base, const int32_t* offsets,
-                  int64_t num_experts, const int32_t* sorted_token_ids, const int32_t* row_adapter,
-                  bool has_ra, int64_t num_ra, ffi::AnyBuffer a_pool, ffi::AnyBuffer b_pool,
+                  int64_t num_experts, const int32_t* sorted_token_ids, int64_t te,
+                  const int32_t* row_adapter, bool has_ra, int64_t num_ra,
+                  const int32_t* out_rows, ffi::AnyBuffer a_pool, ffi::AnyBuffer b_pool,
                   const RouteView& route, const Dims& d, int64_t row_offset, int64_t row_end,
                   bool x_gather, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> xa) {
-  const int64_t te = base.dimensions()[0];
+  const int64_t m = base.dimensions()[0];
   const FoldBuffers<C> buf(x, base, a_pool, b_pool, out, xa, d);
   if (!offsets_well_formed(offsets, num_experts, te)) return;  // fold no row
   const int64_t num_tokens = x_gather ? x.dimensions()[0] : num_ra;
   const int64_t lo = row_offset < 0 ? 0 : row_offset, hi = row_end < te ? row_end : te;
   for (int64_t r = lo; r < hi; ++r) {
+    int64_t out_row;
+    if (!grouped_out_row(out_rows, m, r, &out_row)) continue;
     const int64_t e = find_expert(offsets, num_experts, r);
     if (e < 0) continue;
     int64_t tok, adapter;
@@ -159,7 +165,7 @@ void grouped_impl(ffi::AnyBuffer x, ffi::AnyBuffer base, const int32_t* offsets,
       continue;
     Pair p;
     if (!resolve_pair(route, adapter, e, &p)) continue;
-    buf.fold(r, x_gather ? tok : r, p);
+    buf.fold(r, x_gather ? tok : r, out_row, p);
   }
 }
 
@@ -202,24 +208,27 @@ ffi::Error GatherBgmvCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::Buffer<
 ffi::Error GroupedDownCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base,
                               ffi::Buffer<ffi::S32> expert_offsets,
                               ffi::Buffer<ffi::S32> sorted_token_ids,
-                              ffi::Buffer<ffi::S32> row_adapter, ffi::AnyBuffer a_pool,
-                              ffi::AnyBuffer b_pool, ffi::Buffer<ffi::S32> a_table,
-                              ffi::Buffer<ffi::S32> b_table, ffi::Buffer<ffi::F32> scale_table,
-                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> xa,
-                              int64_t row_offset, int64_t row_end, int64_t x_gather,
-                              int64_t has_row_adapter, int64_t variant) {
+                              ffi::Buffer<ffi::S32> row_adapter, ffi::Buffer<ffi::S32> out_rows,
+                              ffi::AnyBuffer a_pool, ffi::AnyBuffer b_pool,
+                              ffi::Buffer<ffi::S32> a_table, ffi::Buffer<ffi::S32> b_table,
+                              ffi::Buffer<ffi::F32> scale_table, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::AnyBuffer> xa, int64_t row_offset, int64_t row_end,
+                              int64_t x_gather, int64_t has_row_adapter, int64_t has_out_rows,
+                              int64_t variant) {
   (void)variant;
   Dims d;
   RouteView route;
-  if (auto e = check_grouped(x, base, expert_offsets, sorted_token_ids, a_pool, b_pool, a_table,
-                             b_table, scale_table, x_gather, &d, &route);
+  if (auto e = check_grouped(x, base, expert_offsets, sorted_token_ids, out_rows, a_pool, b_pool,
+                             a_table, b_table, scale_table, x_gather, has_out_rows, &d, &route);
       e.failure())
     return e;
   const int64_t num_experts = int64_t(expert_offsets.element_count()) - 1;
   return dispatch<GroupedFn>(base.element_type(), x, base, expert_offsets.typed_data(),
-                             num_experts, sorted_token_ids.typed_data(), row_adapter.typed_data(),
-                             has_row_adapter != 0, int64_t(row_adapter.element_count()), a_pool,
-                             b_pool, route, d, row_offset, row_end, x_gather != 0, out, xa);
+                             num_experts, sorted_token_ids.typed_data(),
+                             int64_t(sorted_token_ids.element_count()), row_adapter.typed_data(),
+                             has_row_adapter != 0, int64_t(row_adapter.element_count()),
+                             has_out_rows ? out_rows.typed_data() : nullptr, a_pool, b_pool,
+                             route, d, row_offset, row_end, x_gather != 0, out, xa);
 }
 
 }  // namespace

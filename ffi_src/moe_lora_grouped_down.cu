@@ -8,7 +8,8 @@
 //   expand: out = N, out[r, n] = round(out + s * round(xa[r] . B[n]))
 // A fold whose expert_offsets are not well formed (offsets_well_formed) folds
 // no row: every block returns before its first row. Otherwise a row folds
-// only in the block of the expert whose span holds it (find_expert).
+// only in the block of the expert whose span holds it (find_expert), into
+// out row out_rows[r] (grouped_out_row).
 #include <algorithm>
 
 #include "cuda_common.cuh"
@@ -31,9 +32,11 @@ __device__ __forceinline__ void tile_rows(const GroupedArgs& a, int64_t tile, in
   *hi = min(min(start + kMlgMTile, a.row_end), min(int64_t(a.expert_offsets[e + 1]), a.te));
 }
 
-// Whether sorted row r (inside expert e's span) folds, and with what.
+// Whether sorted row r (inside expert e's span) folds, and with what: its x
+// row, its out row and its pair.
 __device__ __forceinline__ bool grouped_row(const GroupedArgs& a, int64_t r, int64_t e,
-                                            int64_t* x_row, Pair* pair) {
+                                            int64_t* x_row, int64_t* out_row, Pair* pair) {
+  if (!grouped_out_row(a.out_rows, a.m, r, out_row)) return false;
   if (find_expert(a.expert_offsets, a.num_experts, r) != e) return false;
   int64_t token, adapter;
   if (!grouped_row_adapter(a.sorted_token_ids, a.row_adapter, a.has_row_adapter, a.num_tokens,
@@ -55,9 +58,9 @@ __global__ void __launch_bounds__(kGbgmvThreads)
   const int lane = threadIdx.x % kGbgmvThreadsPerOutput;
   const int64_t j = int64_t(blockIdx.x) * kGbgmvNPerBlock + threadIdx.x / kGbgmvThreadsPerOutput;
   for (int64_t r = lo; r < hi; ++r) {
-    int64_t x_row;
+    int64_t x_row, out_row;
     Pair p;
-    if (!grouped_row(a, r, e, &x_row, &p)) continue;  // uniform over the block
+    if (!grouped_row(a, r, e, &x_row, &out_row, &p)) continue;  // uniform over the block
     float acc = 0.f;
     if (j < a.R) {
       const T* x = static_cast<const T*>(a.x) + x_row * a.K;
@@ -82,9 +85,9 @@ __global__ void __launch_bounds__(kGbgmvThreads)
   const int lane = threadIdx.x % kGbgmvThreadsPerOutput;
   const int64_t n = int64_t(blockIdx.x) * kGbgmvNPerBlock + threadIdx.x / kGbgmvThreadsPerOutput;
   for (int64_t r = lo; r < hi; ++r) {
-    int64_t x_row;
+    int64_t x_row, out_row;
     Pair p;
-    if (!grouped_row(a, r, e, &x_row, &p)) continue;
+    if (!grouped_row(a, r, e, &x_row, &out_row, &p)) continue;
     float acc = 0.f;
     if (n < a.N) {
       const T* xa = static_cast<const T*>(a.xa) + r * a.R;
@@ -94,7 +97,7 @@ __global__ void __launch_bounds__(kGbgmvThreads)
     }
     const float s = seed_group_sum(acc);
     if (n < a.N && lane == 0) {
-      T* o = static_cast<T*>(a.out) + r * a.N + n;
+      T* o = static_cast<T*>(a.out) + out_row * a.N + n;
       const float delta = Tr::to_f(Tr::from_f(s));
       *o = Tr::from_f(fold_add(Tr::to_f(*o), p.scale, delta));
     }
@@ -126,23 +129,24 @@ cudaError_t launch_seed(const GroupedArgs& a, cudaStream_t stream) {
 ffi::Error GroupedDownCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer base,
                                ffi::Buffer<ffi::S32> expert_offsets,
                                ffi::Buffer<ffi::S32> sorted_token_ids,
-                               ffi::Buffer<ffi::S32> row_adapter, ffi::AnyBuffer a_pool,
-                               ffi::AnyBuffer b_pool, ffi::Buffer<ffi::S32> a_table,
-                               ffi::Buffer<ffi::S32> b_table, ffi::Buffer<ffi::F32> scale_table,
-                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> xa,
-                               int64_t row_offset, int64_t row_end, int64_t x_gather,
-                               int64_t has_row_adapter, int64_t variant) {
+                               ffi::Buffer<ffi::S32> row_adapter, ffi::Buffer<ffi::S32> out_rows,
+                               ffi::AnyBuffer a_pool, ffi::AnyBuffer b_pool,
+                               ffi::Buffer<ffi::S32> a_table, ffi::Buffer<ffi::S32> b_table,
+                               ffi::Buffer<ffi::F32> scale_table, ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::AnyBuffer> xa, int64_t row_offset,
+                               int64_t row_end, int64_t x_gather, int64_t has_row_adapter,
+                               int64_t has_out_rows, int64_t variant) {
   Dims d;
   RouteView route;
-  if (auto e = check_grouped(x, base, expert_offsets, sorted_token_ids, a_pool, b_pool, a_table,
-                             b_table, scale_table, x_gather, &d, &route);
+  if (auto e = check_grouped(x, base, expert_offsets, sorted_token_ids, out_rows, a_pool, b_pool,
+                             a_table, b_table, scale_table, x_gather, has_out_rows, &d, &route);
       e.failure())
     return e;
   if (route.n_experts > kMaxGridZ)
     return ffi::Error::InvalidArgument("moe_lora_grouped_down: more than 65535 table experts");
   DType dtype;
   if (auto e = cuda_dtype(base.element_type(), &dtype); e.failure()) return e;
-  const int64_t te = base.dimensions()[0];
+  const int64_t te = int64_t(sorted_token_ids.element_count());
   GroupedArgs args{dtype,
                    x.untyped_data(),
                    out->untyped_data(),
@@ -163,7 +167,9 @@ ffi::Error GroupedDownCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
                    d.R,
                    std::max<int64_t>(0, row_offset),
                    std::min<int64_t>(te, row_end),
-                   x_gather != 0};
+                   x_gather != 0,
+                   has_out_rows ? out_rows.typed_data() : nullptr,
+                   base.dimensions()[0]};
   return launch_variant("moe_lora_grouped_down", variant, args, launch_grouped_seed,
                         launch_grouped_fast, base.untyped_data(), base.size_bytes(),
                         args.row_offset < args.row_end, stream);

@@ -13,13 +13,18 @@
 //   x_gather = 1 (row `row / top_k` read). num_tokens = n_slots / top_k.
 //
 // moe_lora_grouped_down
-//   operands: x [X, K], base_out [te, N], expert_offsets int32 [num_experts+1],
+//   operands: x [X, K], base_out [M, N], expert_offsets int32 [num_experts+1],
 //             sorted_token_ids int32 [te], row_adapter int32 [num_tokens]
-//             (or [1]), then the five route arrays as above
-//   results:  out [te, N] (aliases base_out), xa [te, R] (scratch)
-//   attrs:    row_offset, row_end, x_gather, has_row_adapter, variant (int64)
+//             (or [1]), out_rows int32 [te] (or [1] when has_out_rows=0),
+//             then the five route arrays as above
+//   results:  out [M, N] (aliases base_out), xa [te, R] (scratch)
+//   attrs:    row_offset, row_end, x_gather, has_row_adapter, has_out_rows,
+//             variant (int64)
 //   X = te when x_gather = 0 (row r read), else num_tokens (row
 //   sorted_token_ids[r] read). Only rows in [row_offset, row_end) fold.
+//   Sorted row r reads and writes out row out_rows[r] (has_out_rows = 1;
+//   a value outside [0, M) folds nothing; the rows that fold must target
+//   distinct rows) or row r (has_out_rows = 0, M = te).
 //
 // x, base_out, pools and out share one dtype: bf16, f16 or f32.
 #pragma once

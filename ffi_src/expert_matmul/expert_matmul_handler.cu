@@ -110,7 +110,9 @@ ffi::Error ExpertMatmulCudaImpl(
                   dims[i].R,
                   0,
                   M,
-                  false};
+                  false,
+                  nullptr,
+                  M};
     err = launch_grouped_fast(f, stream);
   }
   if (err != cudaSuccess) return ffi::Error::Internal(std::string("expert_matmul: ") +

@@ -3,10 +3,14 @@
 // launch_grouped_fast, which picks the kernels for a grouped fold.
 //
 // The expand streams base_out. One CTA owns a tile of kExpRows consecutive
-// rows, whatever the experts and adapters in it, and walks a share of its
-// kExpCols-column chunks:
-//  1. The first chunks of the base_out tile start their copy into shared
-//     memory (cp.async, 16-byte pieces) before anything else.
+// sorted rows, whatever the experts and adapters in it, and walks a share of
+// its kExpCols-column chunks. Sorted row r reads and writes base_out row
+// out_rows[r] (r without out_rows): the tile's rows of base_out need not be
+// consecutive.
+//  1. The tile's out rows are read into shared memory, then the first chunks
+//     of those base_out rows start their copy into shared memory (cp.async,
+//     16-byte pieces) before anything else. A row whose out row lies outside
+//     base_out is neither loaded nor stored (it folds nothing).
 //  2. Once per tile, the rows resolve their (adapter, expert) cell (the expert
 //     by a binary search of expert_offsets in shared memory) and are ranked
 //     by cell: a segment of slots per cell. After griddepcontrol.wait (the
@@ -46,7 +50,8 @@ struct ExpandParams {
 
 // Shared memory: kExpStages chunks of the base_out tile [kExpRows][kExpOStride]
 // and xa [kExpRows][xs] (activation dtype), expert_offsets (up to
-// kExpMaxOffsets), then the per-row and per-slot metadata.
+// kExpMaxOffsets), then the per-row and per-slot metadata (11 arrays of
+// kExpRows ints, the segment starts and the counters).
 struct ExpandLayout {
   int off_out, off_xa, off_offsets, off_meta, total;
   __host__ __device__ explicit ExpandLayout(int xs) {
@@ -54,7 +59,7 @@ struct ExpandLayout {
     off_xa = off_out + kExpStages * kExpStage * 2;
     off_offsets = off_xa + kExpRows * xs * 2;
     off_meta = off_offsets + kExpMaxOffsets * 4;
-    total = off_meta + (10 * kExpRows + 8) * 4;
+    total = off_meta + (11 * kExpRows + 8) * 4;
   }
 };
 
@@ -110,7 +115,8 @@ __global__ void __launch_bounds__(kExpThreads, kExpResident)
   int* s_key = reinterpret_cast<int*>(smem + lay.off_meta);  // [rows] cell or INT_MAX
   int* s_b = s_key + kExpRows;                               // [rows] B pool slot
   float* s_scale = reinterpret_cast<float*>(s_b + kExpRows);  // [rows]
-  int* s_slot = reinterpret_cast<int*>(s_scale + kExpRows);  // [rows] slot of the row
+  int* s_orow = reinterpret_cast<int*>(s_scale + kExpRows);  // [rows] out row, or -1
+  int* s_slot = s_orow + kExpRows;                           // [rows] slot of the row
   int* s_row = s_slot + kExpRows;                            // [slots] row of the slot
   int* s_part = s_row + kExpRows;                            // [4][rows] partial ranks
   int* s_seg = s_part + 4 * kExpRows;                        // [segments + 1] first slots
@@ -129,15 +135,24 @@ __global__ void __launch_bounds__(kExpThreads, kExpResident)
       for (int j = 0; j < kExpPiecesPerThread; ++j) {
         const int piece = tid + j * kExpThreads;
         const int q = piece / kExpRowVecs, v = piece % kExpRowVecs;
-        const int64_t r = rb + q, col = c0 + 8 * v;
-        const bool valid = r < p.hi && col < N;  // N % 8 == 0: a piece is all in or all out
-        cp_async16(st + q * kExpOStride + 8 * v, valid ? out + r * N + col : out, valid);
+        const int orow = s_orow[q];
+        const int64_t col = c0 + 8 * v;
+        const bool valid = orow >= 0 && col < N;  // N % 8 == 0: a piece is all in or all out
+        cp_async16(st + q * kExpOStride + 8 * v, valid ? out + int64_t(orow) * N + col : out,
+                   valid);
       }
     }
     cp_async_commit();
   };
 
-  // 1. the first chunks in flight
+  // 1. the tile's out rows (-1: past the window or outside base_out), then
+  // the first chunks in flight
+  if (tid < kExpRows) {
+    const int64_t r = rb + tid;
+    int64_t orow;
+    s_orow[tid] = r < p.hi && grouped_out_row(a.out_rows, a.m, r, &orow) ? int(orow) : -1;
+  }
+  __syncthreads();
 #pragma unroll
   for (int i = 0; i < kExpStages - 1; ++i) issue(i);
   // expert_offsets in shared memory when they fit (the binary searches below)
@@ -157,7 +172,7 @@ __global__ void __launch_bounds__(kExpThreads, kExpResident)
     const int64_t r = rb + tid;
     int key = INT_MAX, b = 0;
     float scale = 0.f;
-    if (r < p.hi) {
+    if (s_orow[tid] >= 0) {
       const int64_t e = row_expert(offsets, a.num_experts, r);
       int64_t tk, ad;
       Pair pair;
@@ -266,9 +281,9 @@ __global__ void __launch_bounds__(kExpThreads, kExpResident)
     for (int j = 0; j < kExpPiecesPerThread; ++j) {
       const int piece = tid + j * kExpThreads;
       const int q = piece / kExpRowVecs, v = piece % kExpRowVecs;
-      const int64_t r = rb + q, col = c0 + 8 * v;
-      if (r >= p.hi || col >= N || s_key[q] == INT_MAX) continue;
-      __stcs(reinterpret_cast<uint4*>(out + r * N + col),
+      const int64_t col = c0 + 8 * v;
+      if (col >= N || s_key[q] == INT_MAX) continue;  // INT_MAX: past the window too
+      __stcs(reinterpret_cast<uint4*>(out + int64_t(s_orow[q]) * N + col),
              *reinterpret_cast<const uint4*>(st + q * kExpOStride + 8 * v));
     }
   }
@@ -306,11 +321,12 @@ cudaError_t grouped_expand(const GroupedArgs& a, int64_t lo, int64_t hi, cudaStr
 }  // namespace
 
 // The split kernels read x, A, B and xa with 16-byte vectors, base_out with
-// 16-byte vectors of whole rows, and keep row ids and cells in int.
+// 16-byte vectors of whole rows, and keep row ids (sorted and out) and cells
+// in int.
 bool grouped_split_fits(const GroupedArgs& a) {
   return a.K % 8 == 0 && a.N % 8 == 0 && a.R % 8 == 0 && a.R <= kMaxRank && aligned16(a.x) &&
          aligned16(a.a_pool) && aligned16(a.b_pool) && aligned16(a.out) && aligned16(a.xa) &&
-         a.te < INT_MAX && a.route.num_loras * a.route.n_experts < INT_MAX &&
+         a.te < INT_MAX && a.m < INT_MAX && a.route.num_loras * a.route.n_experts < INT_MAX &&
          (a.N + kExpCols - 1) / kExpCols < INT_MAX;
 }
 

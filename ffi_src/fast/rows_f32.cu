@@ -286,6 +286,8 @@ __global__ void __launch_bounds__(kF32Threads) grouped_f32_kernel(const GroupedA
                                                                   int64_t lo) {
   if (!cta_offsets_well_formed(a.expert_offsets, a.num_experts, a.te)) return;  // uniform
   const int64_t r = lo + blockIdx.x;
+  int64_t orow;
+  if (!grouped_out_row(a.out_rows, a.m, r, &orow)) return;
   const int64_t e = find_expert(a.expert_offsets, a.num_experts, r);
   if (e < 0) return;
   int64_t tok, ad;
@@ -299,7 +301,8 @@ __global__ void __launch_bounds__(kF32Threads) grouped_f32_kernel(const GroupedA
   f32_fold_row<RB>(static_cast<const float*>(a.x) + xrow * a.K,
                    static_cast<const float*>(a.a_pool) + int64_t(pair.a) * a.R * a.K,
                    static_cast<const float*>(a.b_pool) + int64_t(pair.b) * a.N * a.R,
-                   pair.scale, a.K, int(a.R), a.N, static_cast<float*>(a.out) + r * a.N, c0, c1);
+                   pair.scale, a.K, int(a.R), a.N, static_cast<float*>(a.out) + orow * a.N, c0,
+                   c1);
 }
 
 // The rank template argument for these arrays: R / 8 when 16-byte loads of

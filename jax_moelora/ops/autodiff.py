@@ -12,6 +12,10 @@ Per folded row with pair ``(a, b)`` and scale ``s`` (its table cell
     dB_b    += s * g^T xa                       [N, R]
     ds[l,e] += sum(g * delta) = sum(xa * gB)    (per row, to its table cell)
 
+For the grouped fold with an output-row index ``out_rows`` (``moe_lora_fold``
+at prefill), sorted row ``r``'s output row, and so its ``g``, is
+``out_rows[r]``.
+
 The three roundings of the forward (``xa``, ``delta``, ``out`` to the
 activation dtype) are treated as the identity in the backward (straight-through
 estimator); ``xa`` is recomputed and rounded as in the forward, every product
@@ -264,32 +268,38 @@ def _grouped_vjp(cfg: GroupedCfg):
     op = batching.grouped_op(cfg)
 
     @jax.custom_vjp
-    def fold(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter):
-        return op(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter)
+    def fold(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter, out_rows):
+        return op(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter, out_rows)
 
-    def fwd(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter):
-        out = op(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter)
-        return out, (x, expert_offsets, sorted_token_ids, route, row_adapter)
+    def fwd(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter, out_rows):
+        out = op(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter, out_rows)
+        return out, (x, expert_offsets, sorted_token_ids, route, row_adapter, out_rows)
 
     def bwd(res, g):
-        x, expert_offsets, sorted_token_ids, route, row_adapter = res
+        x, expert_offsets, sorted_token_ids, route, row_adapter, out_rows = res
         xi, cell, ok = _grouped_rows(cfg, x.shape[0], expert_offsets, sorted_token_ids,
                                      route, row_adapter)
-        g_rows = g[cfg.row_offset:cfg.row_end]
+        if out_rows is None:
+            g_rows = g[cfg.row_offset:cfg.row_end]
+        else:  # each sorted row's cotangent is that of the base_out row it wrote
+            rows, ok = jnp_fold.window_out_rows(out_rows, g.shape[0], cfg.row_offset,
+                                                cfg.row_end, ok)
+            g_rows = g[rows]
         dx, da, db, ds = fold_rows_vjp(x, route, g_rows, xi, cell, ok)
-        return dx, g, None, None, _route_ct(route, da, db, ds), None
+        return dx, g, None, None, _route_ct(route, da, db, ds), None, None
 
     fold.defvjp(fwd, bwd)
     return fold
 
 
 def grouped_down(x, base_out, expert_offsets, sorted_token_ids, route: MoeExpertRoute,
-                 row_adapter, *, row_offset: int, row_end: int, x_gather: int,
+                 row_adapter, out_rows=None, *, row_offset: int, row_end: int, x_gather: int,
                  impl: str) -> jax.Array:
     """Differentiable, vmappable grouped fold on validated inputs (non-empty
-    window, ``impl`` resolved); see ``folds.moe_lora_grouped_down``."""
+    window, ``impl`` resolved); see ``folds.moe_lora_grouped_down`` and, for
+    ``out_rows`` (sorted row -> ``base_out`` row, or ``None``), ``folds._grouped_down``."""
     cfg = GroupedCfg(row_offset, row_end, x_gather, impl)
     route = jax.tree_util.tree_map(jnp.asarray, route)
     args = batching.match_varying((x, base_out, expert_offsets, sorted_token_ids, route,
-                                   row_adapter))
+                                   row_adapter, out_rows))
     return _grouped_vjp(cfg)(*args)

@@ -18,7 +18,10 @@ combination of batched operands:
   owns flat rows ``b * te + clip(offsets_b[e], row_offset, row_end)`` up to the
   next start, and one extra unadapted expert per example covers the rows
   outside its window, so the call folds ``[0, B * te)`` and leaves exactly the
-  same rows untouched as ``B`` separate calls.
+  same rows untouched as ``B`` separate calls. With an output-row index
+  (``out_rows``, ``moe_lora_fold`` at prefill) example ``b``'s targets are
+  offset by ``b * M`` (``M`` its ``base_out`` rows); targets outside ``[0, M)``
+  become ``-1`` and still fold nothing.
 
 Results are bit-identical to a Python loop of unbatched calls (the skip rules
 and per-row arithmetic do not depend on the other rows). Nested ``vmap`` applies
@@ -124,16 +127,17 @@ def _gather_impl(cfg: GatherCfg, x, base_out, indices, route, row_adapter):
 
 
 def _grouped_impl(cfg: GroupedCfg, x, base_out, expert_offsets, sorted_token_ids, route,
-                  row_adapter):
+                  row_adapter, out_rows):
     if cfg.impl == "auto":
         return _per_platform(lambda impl, *a: _grouped_impl(cfg._replace(impl=impl), *a),
-                             (x, base_out, expert_offsets, sorted_token_ids, route, row_adapter))
+                             (x, base_out, expert_offsets, sorted_token_ids, route, row_adapter,
+                              out_rows))
     kw = dict(row_offset=cfg.row_offset, row_end=cfg.row_end, x_gather=cfg.x_gather)
     if cfg.impl == "jnp":
         return jnp_fold.grouped_down_jnp(x, base_out, expert_offsets, sorted_token_ids, route,
-                                         row_adapter, **kw)
-    args = match_varying((x, base_out, expert_offsets, sorted_token_ids, route, row_adapter),
-                         floats_only=False)
+                                         row_adapter, out_rows, **kw)
+    args = match_varying((x, base_out, expert_offsets, sorted_token_ids, route, row_adapter,
+                          out_rows), floats_only=False)
     out = ffi_fold.grouped_down_ffi(*args, impl=cfg.impl, **kw)
     return _typed_like(out, args)
 
@@ -216,20 +220,23 @@ def gather_op(cfg: GatherCfg):
 @functools.cache
 def grouped_op(cfg: GroupedCfg):
     """The grouped fold for ``cfg`` as a ``custom_vmap`` function of
-    ``(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter)``."""
+    ``(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter,
+    out_rows)`` (``out_rows``: ``None`` or the sorted rows' ``base_out`` rows)."""
 
     @jax.custom_batching.custom_vmap
-    def op(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter):
+    def op(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter, out_rows):
         return _grouped_impl(cfg, x, base_out, expert_offsets, sorted_token_ids, route,
-                             row_adapter)
+                             row_adapter, out_rows)
 
     @op.def_vmap
     def rule(size, in_batched, x, base_out, expert_offsets, sorted_token_ids, route,
-             row_adapter):
-        xb, bb, ob, sb, rb, ab = in_batched
-        base = _bcast(base_out, bb, size)                     # [B, te, N]
-        te = base.shape[1]
-        check_rows("moe_lora_grouped_down under vmap", "base_out (batch * rows)", size * te)
+             row_adapter, out_rows):
+        xb, bb, ob, sb, rb, ab, orb = in_batched
+        base = _bcast(base_out, bb, size)                     # [B, M, N]
+        te = sorted_token_ids.shape[-1]                       # sorted rows per example
+        check_rows("moe_lora_grouped_down under vmap", "base_out (batch * rows)",
+                   size * base.shape[1])
+        check_rows("moe_lora_grouped_down under vmap", "sorted rows (batch * rows)", size * te)
         check_rows("moe_lora_grouped_down under vmap", "x (batch * rows)", size * x.shape[-2])
         b = jnp.arange(size, dtype=jnp.int32)[:, None]
         # Virtual experts: example b's expert e is b * V + e; e = V - 1 is an
@@ -249,9 +256,13 @@ def grouped_op(cfg: GroupedCfg):
         if limit is not None:  # tokens index x / row_adapter: offset per example
             tok = jnp.where((tok >= 0) & (tok < limit), tok + b * limit, -1)
         ra = None if row_adapter is None else _flat(_bcast(row_adapter, ab, size))
+        if out_rows is not None:  # example b's rows of the flat base_out: b * M + row
+            m = base.shape[1]
+            o = _bcast(out_rows, orb, size)                   # [B, te]
+            out_rows = _flat(jnp.where((o >= 0) & (o < m), o + b * m, -1))
         flat_cfg = cfg._replace(row_offset=0, row_end=size * te)
         out = grouped_op(flat_cfg)(_flat(_bcast(x, xb, size)), _flat(base), offsets,
-                                   _flat(tok), _virtual_route(route, rb, size, V), ra)
+                                   _flat(tok), _virtual_route(route, rb, size, V), ra, out_rows)
         return out.reshape(base.shape), True
 
     return op

@@ -16,15 +16,16 @@ __all__ = ["gather_bgmv_ffi", "grouped_down_ffi", "VARIANTS"]
 VARIANTS = {"seed": _ext.VARIANT_SEED, "fast": _ext.VARIANT_FAST, "cpu": _ext.VARIANT_SEED}
 
 
-def _row_adapter_operand(row_adapter):
-    if row_adapter is None:
+def _optional_operand(v):
+    """An optional int32 operand and its ``has_*`` attribute (``[1]`` zeros when absent)."""
+    if v is None:
         return jnp.zeros((1,), jnp.int32), 0
-    return row_adapter, 1
+    return v, 1
 
 
-def _call(target, base_out, route: MoeExpertRoute, operands, **attrs):
+def _call(target, base_out, route: MoeExpertRoute, operands, rows: int, **attrs):
+    """The custom call; ``rows``: the folded rows, one row of the xa scratch each."""
     _ext.register()
-    rows = base_out.shape[0]
     out_types = (jax.ShapeDtypeStruct(base_out.shape, base_out.dtype),
                  jax.ShapeDtypeStruct((rows, route.max_rank), base_out.dtype))
     # Batching is ops/batching.py's custom_vmap (one launch over the flattened
@@ -38,16 +39,18 @@ def _call(target, base_out, route: MoeExpertRoute, operands, **attrs):
 
 def gather_bgmv_ffi(x, base_out, indices, route, row_adapter, *, top_k: int, x_gather: int,
                     impl: str):
-    ra, has_ra = _row_adapter_operand(row_adapter)
+    ra, has_ra = _optional_operand(row_adapter)
     return _call(_ext.GATHER_BGMV_TARGET, base_out, route,
-                 (x, base_out, indices, ra), top_k=top_k, x_gather=x_gather,
+                 (x, base_out, indices, ra), base_out.shape[0], top_k=top_k, x_gather=x_gather,
                  has_row_adapter=has_ra, variant=VARIANTS[impl])
 
 
-def grouped_down_ffi(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter, *,
-                     row_offset: int, row_end: int, x_gather: int, impl: str):
-    ra, has_ra = _row_adapter_operand(row_adapter)
+def grouped_down_ffi(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter,
+                     out_rows=None, *, row_offset: int, row_end: int, x_gather: int, impl: str):
+    ra, has_ra = _optional_operand(row_adapter)
+    orows, has_orows = _optional_operand(out_rows)
     return _call(_ext.GROUPED_DOWN_TARGET, base_out, route,
-                 (x, base_out, expert_offsets, sorted_token_ids, ra), row_offset=row_offset,
-                 row_end=row_end, x_gather=x_gather, has_row_adapter=has_ra,
+                 (x, base_out, expert_offsets, sorted_token_ids, ra, orows),
+                 sorted_token_ids.shape[0], row_offset=row_offset, row_end=row_end,
+                 x_gather=x_gather, has_row_adapter=has_ra, has_out_rows=has_orows,
                  variant=VARIANTS[impl])

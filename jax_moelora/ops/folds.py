@@ -301,21 +301,46 @@ def moe_lora_grouped_down(x: jax.Array, base_out: jax.Array, expert_offsets: jax
     Returns:
       ``[te, n_out]``: ``base_out`` with the window's adapted rows folded.
     """
+    return _grouped_down(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter,
+                         row_offset=row_offset, row_end=row_end, x_gather=x_gather, impl=impl,
+                         validate=validate)
+
+
+def _grouped_down(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter=None, *,
+                  row_offset: int = 0, row_end: int | None = None, x_gather: int,
+                  impl: Impl = "auto", validate: bool = False,
+                  out_rows: jax.Array | None = None) -> jax.Array:
+    """``moe_lora_grouped_down`` with the internal output-row index.
+
+    ``out_rows``: ``None`` (sorted row ``r`` reads and writes ``base_out[r]``;
+    ``base_out`` is ``[te, n_out]``), or int32 ``[te]``: sorted row ``r``
+    reads and writes ``base_out[out_rows[r]]`` (``base_out`` is ``[M, n_out]``
+    for any ``M``) and folds nothing when ``out_rows[r]`` lies outside
+    ``[0, M)``. The targets of the rows that fold must be distinct
+    (``moe_lora_fold`` passes a permutation), which is why this index is not
+    public: repeated targets would make the result depend on the order the
+    rows are folded in (docs/semantics.md §5).
+    """
     fn = "moe_lora_grouped_down"
     if isinstance(route, StackedRoute):
-        return fold_stacked(fn, lambda b, r: moe_lora_grouped_down(
+        return fold_stacked(fn, lambda b, r: _grouped_down(
             x, b, expert_offsets, sorted_token_ids, r, row_adapter, row_offset=row_offset,
-            row_end=row_end, x_gather=x_gather, impl=impl, validate=validate), base_out, route)
-    x_rows, te = _check_common(fn, x, base_out, route)
+            row_end=row_end, x_gather=x_gather, impl=impl, validate=validate,
+            out_rows=out_rows), base_out, route)
+    x_rows, m = _check_common(fn, x, base_out, route)
     x_gather = _check_x_gather(fn, x_gather)
     validate = _check_validate(fn, validate)
     (no,) = _int_array("expert_offsets", expert_offsets)
     if no < route.n_experts + 1:
         raise ValueError(f"{fn}: expert_offsets has {no} entries; the route's "
                          f"{route.n_experts} experts need at least {route.n_experts + 1}")
-    (ns,) = _int_array("sorted_token_ids", sorted_token_ids)
-    if ns != te:
-        raise ValueError(f"{fn}: sorted_token_ids has {ns} entries, base_out has {te} rows")
+    (te,) = _int_array("sorted_token_ids", sorted_token_ids)
+    if out_rows is None and te != m:
+        raise ValueError(f"{fn}: sorted_token_ids has {te} entries, base_out has {m} rows")
+    if out_rows is not None and _int_array("out_rows", out_rows) != (te,):
+        raise ValueError(f"{fn}: out_rows has {out_rows.shape[0]} entries, sorted_token_ids "
+                         f"has {te}")
+    check_rows(fn, "sorted_token_ids", te)
     if not x_gather and x_rows != te:
         raise ValueError(f"{fn}: x has {x_rows} rows; x_gather=0 needs one per sorted row ({te})")
     if x_gather and x_rows == 0:
@@ -343,7 +368,7 @@ def moe_lora_grouped_down(x: jax.Array, base_out: jax.Array, expert_offsets: jax
     if row_offset == row_end:
         return base_out
     return autodiff.grouped_down(x, base_out, expert_offsets, sorted_token_ids, route,
-                                 row_adapter, row_offset=row_offset, row_end=row_end,
+                                 row_adapter, out_rows, row_offset=row_offset, row_end=row_end,
                                  x_gather=x_gather, impl=impl)
 
 

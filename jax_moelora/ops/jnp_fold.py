@@ -10,8 +10,8 @@ import jax.numpy as jnp
 from jax_moelora.ops.contract import offsets_well_formed
 from jax_moelora.tables import MoeExpertRoute
 
-__all__ = ["resolve_pairs", "apply_rows", "gather_bgmv_jnp", "grouped_rows", "grouped_down_jnp",
-           "rounded"]
+__all__ = ["resolve_pairs", "apply_rows", "gather_bgmv_jnp", "grouped_rows", "window_out_rows",
+           "grouped_down_jnp", "rounded"]
 
 # Rows folded per step of the chunked per-row gather (bounds the memory of
 # the gathered A/B blocks: CHUNK * R * (K + N) elements).
@@ -123,13 +123,31 @@ def grouped_rows(expert_offsets, sorted_token_ids, row_adapter, *, x_rows: int,
     return e, tokc, adapter, ok_tok
 
 
-def grouped_down_jnp(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter, *,
-                     row_offset: int, row_end: int, x_gather: int):
+def window_out_rows(out_rows, m: int, row_offset: int, row_end: int, ok):
+    """The ``base_out`` row of each sorted row of the window ``[row_offset,
+    row_end)`` (``out_rows[r]``, clamped into ``[0, m)``) and ``ok`` with the
+    rows whose target lies outside ``[0, m)`` cleared (they fold nothing)."""
+    rows = out_rows[row_offset:row_end]
+    valid = (rows >= 0) & (rows < m)
+    return jnp.clip(rows, 0, m - 1), ok & valid
+
+
+def grouped_down_jnp(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter,
+                     out_rows=None, *, row_offset: int, row_end: int, x_gather: int):
+    """The grouped fold; with ``out_rows`` (int32 ``[te]``) sorted row ``r``
+    reads and writes ``base_out[out_rows[r]]`` (a gather and a scatter of
+    the rows that fold), else ``base_out[r]``."""
     e, tok, adapter, ok_tok = grouped_rows(expert_offsets, sorted_token_ids, row_adapter,
                                            x_rows=x.shape[0], row_offset=row_offset,
                                            row_end=row_end, x_gather=x_gather)
     a, b, s, ok = resolve_pairs(route, adapter, e)
     ok = ok & ok_tok
     xr = x[tok] if x_gather else x[row_offset:row_end]
-    folded = apply_rows(xr, base_out[row_offset:row_end], a, b, s, ok, route)
-    return jax.lax.dynamic_update_slice_in_dim(base_out, folded, row_offset, axis=0)
+    if out_rows is None:
+        folded = apply_rows(xr, base_out[row_offset:row_end], a, b, s, ok, route)
+        return jax.lax.dynamic_update_slice_in_dim(base_out, folded, row_offset, axis=0)
+    m = base_out.shape[0]
+    rows, ok = window_out_rows(out_rows, m, row_offset, row_end, ok)
+    folded = apply_rows(xr, base_out[rows], a, b, s, ok, route)
+    # only the rows that fold are written (the others, dropped, keep their bits)
+    return base_out.at[jnp.where(ok, rows, m)].set(folded, mode="drop")
