@@ -520,9 +520,12 @@ def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route:
         ``StackedRoute`` takes and returns ``[S, T * top_k, n_out]``).
       gather_max_rows: batches of at most this many flat rows take the gather
         fold; larger ones are sorted by expert and adapter (stable, traced
-        jnp), folded by ``moe_lora_grouped_down`` and unsorted. Both give the same bits, except
-        with ``impl="fast"`` (decode rows on CUDA cores, sorted rows on the
-        tensor cores: other fp32 summation orders, same skipped rows).
+        jnp) and folded by the grouped fold, whose sorted rows read ``x``
+        and read and write ``base_out`` in place through the sort's order
+        (no row is copied into sorted order or back). Both give the same
+        bits, except with ``impl="fast"`` (decode rows on CUDA cores, sorted
+        rows on the tensor cores: other fp32 summation orders, same skipped
+        rows).
 
     Returns:
       ``[T * top_k, n_out]`` in flat row order.
@@ -556,10 +559,20 @@ def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route:
                          f"batch has {ts[0]} tokens")
     plan = plan_rows(topk_ids, route.n_experts, gather_max_rows=gather_max_rows,
                      row_adapter=row_adapter, num_adapters=route.max_loras)
-    xs = x if x_gather else plan.to_plan_order(x)
-    folded = fold_planned(xs, plan.to_plan_order(base_out), plan, route, row_adapter,
-                          x_gather=x_gather, impl=impl, validate=validate)
-    return plan.to_flat_order(folded)
+    if not plan.grouped:
+        return fold_planned(x, base_out, plan, route, row_adapter, x_gather=x_gather, impl=impl,
+                            validate=validate)
+    # The sorted rows index base_out (and x [T * top_k, k_in] with x_gather=0,
+    # read as a gather of one "token" per flat row) through plan.order: no
+    # row is copied into sorted order and back.
+    if x_gather:
+        tokens, ra = plan.sorted_token_ids, row_adapter
+    else:
+        tokens = plan.order
+        ra = None if row_adapter is None else jnp.repeat(row_adapter, top_k,
+                                                         total_repeat_length=n_slots)
+    return _grouped_down(x, base_out, plan.expert_offsets, tokens, route, ra, x_gather=1,
+                         impl=impl, validate=validate, out_rows=plan.order)
 
 
 def _take_rows(v, rows):
