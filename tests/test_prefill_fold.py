@@ -138,16 +138,18 @@ def test_prefill_fold_moves_no_base_out_rows(rng, impl, x_gather):
             assert _hlo_ops_of_shape(fold, args, moves, shape) == 0, shape
 
 
-def test_prefill_fold_under_vmap_equals_a_loop(rng):
+@x_gathers
+@pytest.mark.parametrize("impl", FFI_IMPLS)
+def test_prefill_fold_under_vmap_equals_a_loop(rng, impl, x_gather):
     """vmap of the sorted path over examples with their own base_out, x and
     ids: each example's rows are folded into its own base_out rows (one
     launch; bits of a loop of unbatched folds)."""
-    cases = [_prefill_case(rng, num_loras=2, x_gather=0) for _ in range(3)]
+    cases = [_prefill_case(rng, num_loras=2, x_gather=x_gather) for _ in range(3)]
     st = [np.stack(v) for v in zip(*(c.operands()[:3] for c in cases))]
     ra = cases[0].row_adapter
-    fold = lambda x, b, ids, r: moe_lora_fold(x, b, ids, r, ra, x_gather=0, impl="cpu",  # noqa: E731
-                                              gather_max_rows=GATHER_MAX_ROWS)
-    with on_platform("cpu"):
+    fold = lambda x, b, ids, r: moe_lora_fold(x, b, ids, r, ra, x_gather=x_gather,  # noqa: E731
+                                              impl=impl, gather_max_rows=GATHER_MAX_ROWS)
+    with on_platform(impl):
         x, base, ids, route = to_device((*st, cases[0].route))
         got = np.asarray(jax.jit(jax.vmap(fold, in_axes=(0, 0, 0, None)))(x, base, ids, route))
         text = jax.jit(jax.vmap(fold, in_axes=(0, 0, 0, None))).lower(x, base, ids, route).as_text()
