@@ -50,8 +50,8 @@ struct ExpandParams {
 
 // Shared memory: kExpStages chunks of the base_out tile [kExpRows][kExpOStride]
 // and xa [kExpRows][xs] (activation dtype), expert_offsets (up to
-// kExpMaxOffsets), then the per-row and per-slot metadata (11 arrays of
-// kExpRows ints, the segment starts and the counters).
+// kExpMaxOffsets), then the per-row and per-slot metadata (10 arrays of
+// kExpRows ints, the kExpRows + 1 segment starts and 6 counters).
 struct ExpandLayout {
   int off_out, off_xa, off_offsets, off_meta, total;
   __host__ __device__ explicit ExpandLayout(int xs) {
