@@ -466,12 +466,14 @@ def test_cuda_graphs_on_and_off_give_the_same_bits(tmp_path, impl):
     dict(num_loras=3, k_in=1416, n_out=136),                      # K % 256 != 0: a short chunk
     dict(num_loras=4, k_in=512, n_out=136, rows_per_expert=3000),  # CTAs of 96 rows
     dict(num_loras=3, k_in=256, n_out=264, ranks=(24, 40), max_rank=40),   # 32-row shrink tiles
+    dict(num_loras=4, k_in=512, n_out=392, ranks=(48, 64), max_rank=64),   # expand of 4 rank steps
     dict(num_loras=2, k_in=256, n_out=136, ranks=(72, 128), max_rank=128),  # rank passes
     dict(num_loras=3, k_in=260, n_out=320),                       # K % 8 != 0: seed kernels
     dict(num_loras=3, k_in=256, n_out=202),                       # N % 8 != 0: seed kernels
     dict(num_loras=2, k_in=256, n_out=136, n_experts=64, extra_experts=1100,  # offsets
          rows_per_expert=4),
-], ids=["L1", "L3", "K1416", "L4-rows20k", "L3-R40", "L2-R128", "K260-seed", "N202-seed", "E1106"])
+], ids=["L1", "L3", "K1416", "L4-rows20k", "L3-R40", "L4-R64", "L2-R128", "K260-seed", "N202-seed",
+        "E1106"])
 @pytest.mark.parametrize("x_gather", [0, 1])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("impl", [pytest.param("fast", marks=GPU)])

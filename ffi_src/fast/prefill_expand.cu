@@ -19,10 +19,12 @@
 //     overlaps the work on chunk i): each segment's delta = round(xa . B) on
 //     the tensor cores (mma m16n8k16: 16 slots x 8 columns x 16 ranks), folded
 //     into the chunk in shared memory; the rows that fold are stored in
-//     16-byte vectors, the other rows are never written. At ranks up to 32
-//     the first segment's B fragments of chunk i + 1 are loaded while chunk
-//     i is stored, so no chunk waits on them (H200, rank 16, T = 4096: 0-7 %
-//     off each prefill fold).
+//     16-byte vectors, the other rows are never written. Up to rank 64 a
+//     segment's B fragments are held for all its 16-slot groups, and (but at
+//     rank 48, whose registers would spill) the first segment's of chunk
+//     i + 1 are loaded while chunk i is stored, so no chunk waits on them
+//     (H200, T = 4096: 0-7 % off each rank-16 fold; rank 64, with the
+//     fragments held instead of loaded per group and rank step, 8-27 %).
 
 #include "fast/fast_common.cuh"
 
@@ -42,7 +44,12 @@ constexpr int kExpPiecesPerThread = kExpPieces / kExpThreads;
 constexpr int kExpRowVecs = kExpCols / 8;             // 16-byte pieces per chunk row
 constexpr int kExpNTiles = kExpCols / 8 / kExpWarps;  // 8-column mma tiles per warp
 constexpr int kExpMaxOffsets = 1024;                  // expert_offsets kept in shared memory
-constexpr int kExpResident = 3;                       // CTAs per SM (launch bounds)
+// CTAs per SM (launch bounds) of the kernel holding the B fragments of RK
+// rank steps: 3, or 2 at RK = 4 (R = 64), whose fragments would spill under
+// the 3-CTA register budget.
+__host__ __device__ constexpr int expand_resident(int RK) { return RK == 4 ? 2 : 3; }
+// The RK the kernel is instantiated with for R rounded up to 16.
+__host__ __device__ constexpr int expand_rk(int r16) { return r16 <= 64 ? r16 / 16 : 0; }
 
 struct ExpandParams {
   GroupedArgs a;
@@ -104,11 +111,10 @@ struct BFrags {
   }
 };
 
-// RK: rank steps of 16 with the B fragments held per segment (1-3: R <= 48;
-// at 4 the kernel spills under its 3-CTA register budget), or 0: loaded per
-// 16-slot tile (any rank).
+// RK: rank steps of 16 with the B fragments held per segment (1-4: R <= 64),
+// or 0: loaded per 16-slot tile (any rank).
 template <DType D, int RK>
-__global__ void __launch_bounds__(kExpThreads, kExpResident)
+__global__ void __launch_bounds__(kExpThreads, expand_resident(RK))
     grouped_expand_kernel(const ExpandParams p) {
   extern __shared__ __align__(128) char smem[];
   const GroupedArgs& a = p.a;
@@ -217,7 +223,7 @@ __global__ void __launch_bounds__(kExpThreads, kExpResident)
   // RK > 0: a segment's B fragments (RK 16-rank steps) are loaded once for
   // all its 16-slot tiles, the next segment's while this one folds, and the
   // first segment's of the next chunk while this chunk is stored
-  constexpr bool kAhead = RK > 0 && RK <= 2;  // RK = 3 would spill under the 3-CTA budget
+  constexpr bool kAhead = RK > 0 && RK != 3;  // RK = 3 would spill under its 3-CTA budget
   BFrags<RK> first;
   const int b_first = s_b[s_row[s_seg[0]]];
   if constexpr (kAhead) first.load(b_pool, b_first, int64_t(blockIdx.y) * kExpCols, N, R, w, g, t);
@@ -315,6 +321,7 @@ cudaError_t grouped_expand(const GroupedArgs& a, int64_t lo, int64_t hi, cudaStr
   void (*kernel)(ExpandParams) = p.r16 == 16   ? grouped_expand_kernel<D, 1>
                                  : p.r16 == 32 ? grouped_expand_kernel<D, 2>
                                  : p.r16 == 48 ? grouped_expand_kernel<D, 3>
+                                 : p.r16 == 64 ? grouped_expand_kernel<D, 4>
                                                : grouped_expand_kernel<D, 0>;
   if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(kernel), lay.total);
       err != cudaSuccess)
@@ -322,7 +329,7 @@ cudaError_t grouped_expand(const GroupedArgs& a, int64_t lo, int64_t hi, cudaStr
   // Two waves of resident CTAs: each tile's chunks are split over `groups`
   // CTAs, the fewest that give every SM work for two rounds.
   const int64_t tiles = (hi - lo + kExpRows - 1) / kExpRows;
-  const int64_t want = 2 * int64_t(sm_count()) * kExpResident;
+  const int64_t want = 2 * int64_t(sm_count()) * expand_resident(expand_rk(p.r16));
   const int64_t groups = std::min<int64_t>({(want + tiles - 1) / tiles, p.chunks, 65535});
   // the expand's CTAs may start while the shrink runs; griddepcontrol.wait
   // orders their xa reads after it
