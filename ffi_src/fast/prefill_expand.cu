@@ -233,8 +233,9 @@ __global__ void __launch_bounds__(kExpThreads, expand_resident(RK))
     issue(i + kExpStages - 1);        // into the stage chunk i - 1 used
     const int64_t c0 = int64_t(blockIdx.y + i * gridDim.y) * kExpCols;
     uint16_t* st = s_out + (i % kExpStages) * kExpStage;
-    BFrags<RK> cur = first, nxt;
-    if constexpr (RK > 0 && !kAhead) cur.load(b_pool, b_first, c0, N, R, w, g, t);
+    BFrags<RK> cur, nxt;
+    if constexpr (kAhead) cur = first;
+    else if constexpr (RK > 0) cur.load(b_pool, b_first, c0, N, R, w, g, t);
     for (int sg = 0; sg < n_seg; ++sg) {
       const int s0 = s_seg[sg], s1 = s_seg[sg + 1];
       const uint16_t* B = b_pool + int64_t(s_b[s_row[s0]]) * N * R;

@@ -426,17 +426,16 @@ class RowPlan(NamedTuple):
     ``grouped`` (a Python bool) says which fold runs: ``False``, the gather
     fold on flat token-major rows ``t * top_k + k``; ``True``, the grouped
     fold on rows stably sorted by expert (and by adapter within an expert
-    when the plan was made with the rows' adapters). For a grouped plan ``order
-    [n_slots]`` maps sorted row -> flat row, ``inverse`` flat row -> sorted
-    row, ``expert_offsets [num_experts + 1]`` and ``sorted_token_ids
-    [n_slots]`` are ``sort_rows_by_expert``'s; for a gather plan they are
-    ``None``. ``topk_ids`` is the int32 ``[T, top_k]`` the plan was made from.
+    when the plan was made with the rows' adapters). For a grouped plan
+    ``order [n_slots]`` (sorted row -> flat row), ``expert_offsets
+    [num_experts + 1]`` and ``sorted_token_ids [n_slots]`` are
+    ``sort_rows_by_expert``'s; for a gather plan they are ``None``.
+    ``topk_ids`` is the int32 ``[T, top_k]`` the plan was made from.
     """
 
     grouped: bool
     topk_ids: jax.Array
     order: jax.Array | None = None
-    inverse: jax.Array | None = None
     expert_offsets: jax.Array | None = None
     sorted_token_ids: jax.Array | None = None
 
@@ -455,7 +454,11 @@ class RowPlan(NamedTuple):
 
     def to_flat_order(self, rows: jax.Array) -> jax.Array:
         """Rows in plan order ``[n_slots, ...]`` -> flat token-major order."""
-        return _take_rows(rows, self.inverse) if self.grouped else rows
+        if not self.grouped:
+            return rows
+        n = self.order.shape[0]  # flat row -> sorted row, the inverse of order
+        inverse = jnp.zeros_like(self.order).at[self.order].set(jnp.arange(n, dtype=jnp.int32))
+        return _take_rows(rows, inverse)
 
 
 def plan_rows(topk_ids: jax.Array, num_experts: int, *,
@@ -473,8 +476,7 @@ def plan_rows(topk_ids: jax.Array, num_experts: int, *,
         return RowPlan(False, topk_ids)
     order, offsets, sorted_tok = sort_rows_by_expert(topk_ids, num_experts, row_adapter,
                                                      num_adapters)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n_slots, dtype=jnp.int32))
-    return RowPlan(True, topk_ids, order, inverse, offsets, sorted_tok)
+    return RowPlan(True, topk_ids, order, offsets, sorted_tok)
 
 
 def fold_planned(x: jax.Array, base_out: jax.Array, plan: RowPlan,
