@@ -2,8 +2,9 @@
 
 For each model (``bench_cases.MODELS``), projection (``gate_up``: the gate and
 up weight sets ``[E, hidden, inter]`` in one call; ``down``: ``[E, inter,
-hidden]``) and token count, rows are sorted by expert (``top_k`` distinct
-experts per token, seeded) and three methods are timed with the protocol of
+hidden]``) and token count, rows are sorted by expert and, within an expert,
+by adapter (``top_k`` distinct experts per token, seeded; the order of
+``MoEBlock``) and three methods are timed with the protocol of
 ``bench`` (``bench_methods.make_loop``: ``--reps`` calls back to back in one
 jitted program, the median of ``--runs`` runs, divided by ``--reps``):
 
@@ -100,7 +101,8 @@ def make_gemm_inputs(c: GemmCase, dtype=jnp.bfloat16) -> dict[str, Any]:
     E, K, N, R, L = m.n_experts, c.k_in, c.n_out, c.rank, c.adapters
     topk, row_adapter = make_routing(_routing_case(c))
     flat = topk.reshape(-1)
-    order = np.argsort(flat, kind="stable")
+    # by expert, then by adapter (the order MoEBlock and moe_lora_fold sort rows in)
+    order = np.lexsort((row_adapter[np.arange(flat.size) // m.top_k], flat))
     sizes = np.bincount(flat, minlength=E).astype(np.int32)
     stids = (order // m.top_k).astype(np.int32)
     key = jax.random.key(c.seed)
@@ -156,22 +158,31 @@ def measure_matmul_rate(n: int, *, reps: int, runs: int, warmup: int = 2) -> flo
     return 2.0 * n ** 3 / t
 
 
+def _chained_sizes(out, a):
+    """``group_sizes`` made to depend on the previous call's output (plus 0
+    unless its first element is NaN): without it the call would not depend on
+    the loop's carry, and XLA would hoist it out of the timed loop."""
+    return a["group_sizes"] + jnp.isnan(out.reshape(-1)[0]).astype(jnp.int32)
+
+
 def _method_fn(method: str, c: GemmCase, impl: str):
     """``fn(out, args) -> out`` for the benchmark loop (out: the first output)."""
-    def call(a, lora, impl=impl):
-        out = expert_matmul(a["x"], a["w"], a["group_sizes"], lora=a["routes"] if lora else None,
+    def call(out, a, lora, impl=impl):
+        out = expert_matmul(a["x"], a["w"], _chained_sizes(out, a),
+                            lora=a["routes"] if lora else None,
                             row_adapter=a["row_adapter"] if lora else None,
                             sorted_token_ids=a["sorted_token_ids"], impl=impl)
         return out if c.n_weights == 1 else jnp.stack(out)
 
     if method == "gemm":
-        return lambda _out, a: call(a, False)
+        return lambda out, a: call(out, a, False)
     if method == "gemm_lora":
-        return lambda _out, a: call(a, True)
+        return lambda out, a: call(out, a, True)
     if method == "ragged_dot":
-        def ragged(_out, a):
+        def ragged(out, a):
             ws = a["w"] if c.n_weights == 2 else (a["w"],)
-            outs = [jax.lax.ragged_dot(a["x"], w, a["group_sizes"],
+            gs = _chained_sizes(out, a)
+            outs = [jax.lax.ragged_dot(a["x"], w, gs,
                                        preferred_element_type=jnp.float32).astype(a["x"].dtype)
                     for w in ws]
             return outs[0] if c.n_weights == 1 else jnp.stack(outs)
