@@ -6,6 +6,8 @@
 //                                transposed from shared memory, 16-bit types)
 //   D = out rows of that expert  [m_e, N] row-major, D = round(A @ B) with fp32
 //                                accumulation; no C operand (ElementC = void).
+// Two epilogues: LinearCombination (D = round(acc)), and LoraEpilogue
+// (lora_epilogue.cuh: the LoRA delta folded into round(acc) before the store).
 // One problem per (weight set, expert); the problem shapes and pointers live
 // in device memory and the host passes no shapes, so the persistent grid is
 // one CTA per SM and the scheduler walks the groups on the device.
@@ -33,8 +35,8 @@ using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
 using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
 using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
-template <class Element>
-struct Config {
+template <class Element, class Fusion>
+struct ConfigWith {
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = cutlass::layout::RowMajor;
   using LayoutD = cutlass::layout::RowMajor;
@@ -45,8 +47,7 @@ struct Config {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
       void, LayoutD*, kAlign,        // no C operand
       Element, LayoutD*, kAlign,
-      EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<Element, float, void, float>>::CollectiveOp;
+      EpilogueSchedule, Fusion>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -66,5 +67,8 @@ struct Config {
   using StrideD = typename Kernel::InternalStrideD;
   using Shape = typename ProblemShape::UnderlyingProblemShape;
 };
+
+template <class Element>
+using Config = ConfigWith<Element, cutlass::epilogue::fusion::LinearCombination<Element, float, void, float>>;
 
 }  // namespace moelora::expert_gemm

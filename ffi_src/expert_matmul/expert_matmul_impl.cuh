@@ -52,21 +52,29 @@ struct Problems {
   typename C::StrideD* stride_d;
 };
 
-template <class C, class T>
-typename C::Gemm::Arguments gemm_arguments(const Problems<C, T>& p, int64_t groups, int sm_count) {
+// The epilogue arguments of D = round(acc) (the LinearCombination epilogue).
+template <class C>
+auto round_acc_epilogue() {
+  using Thread = decltype(typename C::Gemm::Arguments{}.epilogue.thread);
+  Thread t{};
+  t.alpha = 1.0f;
+  t.beta = 0.0f;
+  return t;
+}
+
+template <class C, class T, class Thread>
+typename C::Gemm::Arguments gemm_arguments(const Problems<C, T>& p, int64_t groups, int sm_count,
+                                           const Thread& thread) {
   using Gemm = typename C::Gemm;
   cutlass::KernelHardwareInfo hw;
   hw.device_id = 0;  // read only when sm_count <= 0, which the handler rejects
   hw.sm_count = sm_count;
-  typename Gemm::Arguments args{
+  return typename Gemm::Arguments{
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {int(groups), p.shapes, nullptr},  // device shapes only: no host copy
       {p.ptr_a, p.stride_a, p.ptr_b, p.stride_b},
-      {{}, nullptr, nullptr, p.ptr_d, p.stride_d},
+      {thread, nullptr, nullptr, p.ptr_d, p.stride_d},
       hw};
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
-  return args;
 }
 
 // Block 0 writes one problem per (weight set, expert): rows
@@ -103,23 +111,21 @@ __global__ void __launch_bounds__(256) setup_problems(Problems<C, T> p, ExpertGe
   }
 }
 
-template <DType D>
-int64_t scratch_bytes(int64_t groups, int sm_count) {
-  using T = typename ElementOf<D>::type;
-  using C = Config<T>;
+template <class C, class T, class Thread>
+int64_t scratch_bytes_of(int64_t groups, int sm_count, const Thread& thread) {
   Problems<C, T> none{};
-  const auto args = gemm_arguments<C, T>(none, groups, sm_count);
+  const auto args = gemm_arguments<C, T>(none, groups, sm_count, thread);
   return scratch_layout<C>(groups, int64_t(C::Gemm::get_workspace_size(args))).total;
 }
 
-template <DType D>
-cudaError_t run(const ExpertGemmArgs& a, cudaStream_t stream) {
-  using T = typename ElementOf<D>::type;
-  using C = Config<T>;
+// Writes the problems (setup_problems), then runs the GEMM of config C with
+// the epilogue arguments `thread`.
+template <class C, class T, class Thread>
+cudaError_t run_with(const ExpertGemmArgs& a, const Thread& thread, cudaStream_t stream) {
   const int64_t groups = a.num_weights * a.E;
   Problems<C, T> none{};
-  const int64_t workspace_bytes =
-      int64_t(C::Gemm::get_workspace_size(gemm_arguments<C, T>(none, groups, a.sm_count)));
+  const int64_t workspace_bytes = int64_t(
+      C::Gemm::get_workspace_size(gemm_arguments<C, T>(none, groups, a.sm_count, thread)));
   const ScratchLayout l = scratch_layout<C>(groups, workspace_bytes);
   if (a.sm_count <= 0 || a.scratch_bytes < l.total) return cudaErrorInvalidValue;
   char* base = static_cast<char*>(a.scratch);
@@ -138,7 +144,7 @@ cudaError_t run(const ExpertGemmArgs& a, cudaStream_t stream) {
   if (cudaError_t err = cudaPeekAtLastError(); err != cudaSuccess) return err;
 
   typename C::Gemm gemm;
-  const auto args = gemm_arguments<C, T>(p, groups, a.sm_count);
+  const auto args = gemm_arguments<C, T>(p, groups, a.sm_count, thread);
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
   if (gemm.initialize(args, base + l.workspace, stream) != cutlass::Status::kSuccess)
     return cudaErrorInvalidConfiguration;
@@ -147,6 +153,20 @@ cudaError_t run(const ExpertGemmArgs& a, cudaStream_t stream) {
     return err != cudaSuccess ? err : cudaErrorLaunchFailure;
   }
   return cudaPeekAtLastError();
+}
+
+template <DType D>
+int64_t scratch_bytes(int64_t groups, int sm_count) {
+  using T = typename ElementOf<D>::type;
+  using C = Config<T>;
+  return scratch_bytes_of<C, T>(groups, sm_count, round_acc_epilogue<C>());
+}
+
+template <DType D>
+cudaError_t run(const ExpertGemmArgs& a, cudaStream_t stream) {
+  using T = typename ElementOf<D>::type;
+  using C = Config<T>;
+  return run_with<C, T>(a, round_acc_epilogue<C>(), stream);
 }
 
 }  // namespace moelora::expert_gemm
