@@ -140,10 +140,6 @@ struct GroupedArgs {
   bool x_gather;
   const int32_t* out_rows;  // [te], or nullptr (out row r for sorted row r)
   int64_t m;                // rows of out (te when out_rows is nullptr)
-  // [te, 2], or nullptr: the shrink also writes each folding row's pair
-  // {b slot, scale bits}, for expert_matmul's GEMM epilogue
-  // (launch_grouped_shrink_rows; the caller zeroes it first).
-  int32_t* row_pairs;
 };
 
 // The seed-design kernels (moe_lora_gather_bgmv.cu, moe_lora_grouped_down.cu):
@@ -165,13 +161,6 @@ inline xla::ffi::Error cuda_dtype(xla::ffi::DataType t, DType* out) {
 // kernels (same skip rules, same roundings; summation order may differ).
 cudaError_t launch_gather_fast(const GatherArgs& args, cudaStream_t stream);
 cudaError_t launch_grouped_fast(const GroupedArgs& args, cudaStream_t stream);
-// The grouped fold's shrink alone, for an expand done elsewhere (expert_matmul's
-// GEMM epilogue): xa and args.row_pairs of every folding row (the caller
-// zeroes row_pairs first: b slot 0 marks a row that does not fold).
-// grouped_shrink_rows_fits: the folds it takes (bf16/f16, the split kernels'
-// shapes, rank <= max_rank).
-bool grouped_shrink_rows_fits(const GroupedArgs& args, int64_t max_rank);
-cudaError_t launch_grouped_shrink_rows(const GroupedArgs& args, cudaStream_t stream);
 
 // The tail of both CUDA handlers: copy base_out into out when XLA did not
 // alias them, launch `variant` (when `launch`: the window holds rows), and

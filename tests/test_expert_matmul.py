@@ -528,14 +528,14 @@ def test_fast_model_shapes(pair):
     ids=["r8", "r24", "r48", "r64", "r128"])
 @pytest.mark.parametrize("pair", [False, True], ids=["single", "one_sided_pair"])
 @dtypes
-def test_fast_epilogue_fold(rng, dtype, pair, max_rank, ranks):
-    """The LoRA fold in the GEMM epilogue (ranks up to 64: one, two or four rank
-    steps of 16, zero-padded ranks included) and after it (rank 128), over
-    5 experts with partial 128-row tiles, N = 200 (a partial 128-column tile),
-    4 adapters mixed within every 16-row slab, adapted and unadapted cells:
-    rows without an adapter bit-identical to the GEMM alone, folded rows
-    within the delta tolerance of the reference fold of that output. As a
-    gate/up pair with only up adapted, gate is the GEMM alone, bit for bit."""
+def test_fast_lora_ranks_and_partial_tiles(rng, dtype, pair, max_rank, ranks):
+    """The CUDA path with LoRA at ranks 8 to 128 (zero-padded ranks included),
+    over 5 experts with partial 128-row tiles, N = 200 (a partial 128-column
+    GEMM tile), 4 adapters mixed within every 16-row slab, adapted and
+    unadapted cells: rows without an adapter bit-identical to the GEMM alone,
+    folded rows within the delta tolerance of the reference fold of that
+    output. As a gate/up pair with only up adapted, gate is the GEMM alone,
+    bit for bit."""
     if dtype == jnp.float32:
         pytest.skip("the CUDA GEMM takes bf16 and f16")
     case = make_case(rng, dtype=dtype, num_loras=4, pair=pair, E=5, K=96, N=200, M=300,

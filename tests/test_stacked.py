@@ -179,33 +179,6 @@ def test_stacked_grouped_equals_single_folds(impl):
             _check(got[s], fold(sorted_bases[s], rs[s]), impl)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_member_folds_as_its_projection(impl):
-    """``StackedRoute.member(s)`` (projection s over the stored pools, slots as
-    stored) folds bit for bit as projection s's own route, cells outside the
-    pool included."""
-    rng = np.random.default_rng(17)
-    routes = [make_route(rng, dtype=jnp.bfloat16, num_loras=3, pool_size=40, poison=False,
-                         out_of_pool=2) for _ in range(S)]
-    case = make_gather_case(rng, route=routes[0], top_k=4, num_tokens=24, x_gather=1,
-                            poison=False)
-    topk = case.ids["indices"].reshape(24, 4)
-    order, offsets, sorted_tok = sort_rows_by_expert(jnp.asarray(topk), case.route.n_experts)
-    base = case.base_out[np.asarray(order)]
-    with on_platform(impl):
-        x, off, st, ra, b = to_device((case.x, np.asarray(offsets), np.asarray(sorted_tok),
-                                       case.row_adapter, base))
-        rs = [to_device(r) for r in routes]
-        stacked = stack_routes(*rs)
-        fold = lambda r: moe_lora_grouped_down(x, b, off, st, r, ra, x_gather=1, impl=impl)
-        for s in range(S):
-            member = stacked.member(s)
-            assert member.pool_size == S * 40 and member.n_experts == routes[s].n_experts
-            want = np.asarray(fold(rs[s]))
-            assert not np.array_equal(want, np.asarray(base)), "the case folds nothing"
-            np.testing.assert_array_equal(np.asarray(fold(member)), want)
-
-
 def test_stack_routes_refuses_unequal_shapes():
     rng = np.random.default_rng(14)
     a = to_device(make_route(rng, num_loras=2, pool_size=40))

@@ -10,18 +10,13 @@
 //   results:  out [num_weights, M, N] (weight set i's output is plane i: gate
 //             and up land stacked, the layout the stacked fold reads),
 //             scratch u8 [expert_matmul_scratch_bytes(num_weights * E, sm_count)],
-//             xa [num_weights * M, R] (the shrink's output, plane i for weight
-//             set i; R the larger route rank; [1, 1] without routes),
-//             row_pairs int32 [num_weights * M * 2] (each row's {b slot, scale
-//             bits} for the epilogue; [2] without routes).
+//             xa [M, R] (the fold's scratch; R the larger route rank, or 1).
 //   attrs:    num_weights (1 or 2), has_lora0, has_lora1, has_row_adapter, sm_count.
 //   offsets:  offsets[0] = 0, non-decreasing, offsets[E] <= M (traced jnp builds
 //             them from group_sizes). Row r in [offsets[e], offsets[e+1]) is
-//             round(x[r] @ w[e]); rows r >= offsets[E] are zero. Each weight
-//             set with a route is folded by the grouped fold's rules with
-//             x_gather = 0 (row r reads x[r], its token sorted_token_ids[r]):
-//             in the GEMM's epilogue (lora_epilogue.cuh) when every route
-//             fits it, else by the fast grouped fold after the GEMM.
+//             round(x[r] @ w[e]); rows r >= offsets[E] are zero. Then each
+//             weight set with a route is folded by the grouped fold with
+//             x_gather = 0 (row r reads x[r], its token sorted_token_ids[r]).
 // x, w, pools and outputs share one dtype: bf16 or f16; K and N are multiples
 // of kExpertMatmulAlign.
 #pragma once
@@ -46,27 +41,6 @@ struct ExpertGemmArgs {
   int sm_count;
 };
 
-// Ranks up to this fold in the GEMM epilogue (lora_epilogue.cuh); larger
-// ranks are folded by the fast grouped fold after the GEMM.
-constexpr int kLoraEpilogueMaxRank = 64;
-
-// One weight set's LoRA as the GEMM epilogue reads it.
-struct LoraSet {
-  const uint16_t* xa;        // [rows, r]: the shrink's xa, by sorted row
-  const int32_t* row_pairs;  // [rows, 2]: {b slot, scale bits}; b 0: the row does not fold
-  const uint16_t* b_pool;    // [P, N, r]; null: the weight set has no LoRA
-  int r;                     // rank, a multiple of 8, at most kLoraEpilogueMaxRank
-  int n_experts;             // the tables' experts: rows of experts past them do not fold
-};
-
-// The epilogue's arguments: problem g is weight set g / E, expert g % E,
-// whose rows start at sorted row offsets[g % E].
-struct LoraEpilogueArgs {
-  const int32_t* offsets;  // [E + 1]
-  int E;
-  LoraSet set[kExpertMatmulMaxWeights];
-};
-
 // Per dtype (expert_matmul_bf16.cu, expert_matmul_f16.cu):
 //   expert_gemm_scratch_bytes_*: bytes of scratch for `num_groups` problems on
 //     `sm_count` SMs (pointer/shape/stride arrays, then CUTLASS's workspace);
@@ -77,13 +51,5 @@ int64_t expert_gemm_scratch_bytes_bf16(int64_t num_groups, int sm_count);
 int64_t expert_gemm_scratch_bytes_f16(int64_t num_groups, int sm_count);
 cudaError_t expert_gemm_run_bf16(const ExpertGemmArgs& args, cudaStream_t stream);
 cudaError_t expert_gemm_run_f16(const ExpertGemmArgs& args, cudaStream_t stream);
-// The same GEMM with the LoRA expand in its epilogue (expert_matmul_lora_*.cu):
-// the shrink of every weight set with LoRA has run.
-int64_t expert_gemm_lora_scratch_bytes_bf16(int64_t num_groups, int sm_count);
-int64_t expert_gemm_lora_scratch_bytes_f16(int64_t num_groups, int sm_count);
-cudaError_t expert_gemm_lora_run_bf16(const ExpertGemmArgs& args, const LoraEpilogueArgs& lora,
-                                      cudaStream_t stream);
-cudaError_t expert_gemm_lora_run_f16(const ExpertGemmArgs& args, const LoraEpilogueArgs& lora,
-                                     cudaStream_t stream);
 
 }  // namespace moelora

@@ -6,8 +6,6 @@
 //                                transposed from shared memory, 16-bit types)
 //   D = out rows of that expert  [m_e, N] row-major, D = round(A @ B) with fp32
 //                                accumulation; no C operand (ElementC = void).
-// Two epilogues: LinearCombination (D = round(acc)), and LoraEpilogue
-// (lora_epilogue.cuh: the LoRA delta folded into round(acc) before the store).
 // One problem per (weight set, expert); the problem shapes and pointers live
 // in device memory and the host passes no shapes, so the persistent grid is
 // one CTA per SM and the scheduler walks the groups on the device.
@@ -35,8 +33,8 @@ using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
 using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
 using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
-template <class Element, class Fusion>
-struct ConfigWith {
+template <class Element>
+struct Config {
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = cutlass::layout::RowMajor;
   using LayoutD = cutlass::layout::RowMajor;
@@ -47,7 +45,8 @@ struct ConfigWith {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
       void, LayoutD*, kAlign,        // no C operand
       Element, LayoutD*, kAlign,
-      EpilogueSchedule, Fusion>::CollectiveOp;
+      EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<Element, float, void, float>>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -67,8 +66,5 @@ struct ConfigWith {
   using StrideD = typename Kernel::InternalStrideD;
   using Shape = typename ProblemShape::UnderlyingProblemShape;
 };
-
-template <class Element>
-using Config = ConfigWith<Element, cutlass::epilogue::fusion::LinearCombination<Element, float, void, float>>;
 
 }  // namespace moelora::expert_gemm

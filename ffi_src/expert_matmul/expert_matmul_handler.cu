@@ -1,10 +1,8 @@
-// The CUDA FFI handler of expert_matmul (operands in expert_matmul.h). When
-// every weight set with a route fits the epilogue fold (bf16/f16, rank <=
-// kLoraEpilogueMaxRank, the split kernels' shapes): the grouped shrink of each
-// such set (xa and the rows' pairs), then one CUTLASS grouped GEMM whose
-// epilogue folds the deltas before its single store (lora_epilogue.cuh).
-// Otherwise (or without routes) the plain GEMM, then the fast grouped fold
-// of each set with a route over its output (a second pass over it).
+// The CUDA FFI handler of expert_matmul (operands in expert_matmul.h): the
+// CUTLASS grouped GEMM of every weight set, then, for each weight set with a
+// route, the fast grouped fold over its output in the same handler. The fold
+// is a second pass (it reads and writes the GEMM output once more); the GEMM
+// epilogue does not compute the delta.
 #include <algorithm>
 #include <string>
 
@@ -33,8 +31,8 @@ ffi::Error ExpertMatmulCudaImpl(
     ffi::AnyBuffer a0, ffi::AnyBuffer b0, ffi::Buffer<ffi::S32> at0, ffi::Buffer<ffi::S32> bt0,
     ffi::Buffer<ffi::F32> st0, ffi::AnyBuffer a1, ffi::AnyBuffer b1, ffi::Buffer<ffi::S32> at1,
     ffi::Buffer<ffi::S32> bt1, ffi::Buffer<ffi::F32> st1, ffi::Result<ffi::AnyBuffer> out,
-    ffi::Result<ffi::AnyBuffer> scratch, ffi::Result<ffi::AnyBuffer> xa,
-    ffi::Result<ffi::Buffer<ffi::S32>> row_pairs, int64_t num_weights, int64_t has_lora0, int64_t has_lora1,
+    ffi::Result<ffi::AnyBuffer> scratch,
+    ffi::Result<ffi::AnyBuffer> xa, int64_t num_weights, int64_t has_lora0, int64_t has_lora1,
     int64_t has_row_adapter, int64_t sm_count) {
   const auto xd = x.dimensions(), wd = w0.dimensions();
   if (xd.size() != 2 || wd.size() != 3) return invalid("x must be [M, K] and w [E, K, N]");
@@ -64,8 +62,9 @@ ffi::Error ExpertMatmulCudaImpl(
   for (int64_t i = 0; i < num_weights; ++i) outs[i] = out_base + i * M * N * 2;  // 2-byte elements
   const DType dtype = dt == ffi::DataType::BF16 ? DType::kBf16 : DType::kF16;
   const int64_t groups = num_weights * E;
-  if (int64_t(scratch->size_bytes()) < expert_matmul_scratch_bytes(groups, sm_count))
-    return invalid("scratch buffer too small");
+  const int64_t need = dtype == DType::kBf16 ? expert_gemm_scratch_bytes_bf16(groups, int(sm_count))
+                                             : expert_gemm_scratch_bytes_f16(groups, int(sm_count));
+  if (int64_t(scratch->size_bytes()) < need) return invalid("scratch buffer too small");
 
   // Routes are checked before anything is launched.
   RouteBuffers rb[] = {{a0, b0, at0, bt0, st0}, {a1, b1, at1, bt1, st1}};
@@ -80,43 +79,7 @@ ffi::Error ExpertMatmulCudaImpl(
       return e;
     if (routes[i].n_experts > E) return invalid("a route has more experts than w");
     const auto xad = xa->dimensions();
-    if (xad.size() != 2 || xad[0] != num_weights * M || xad[1] < dims[i].R)
-      return invalid("xa scratch shape: [num_weights * M, R]");
-    if (int64_t(row_pairs->element_count()) < num_weights * M * 2)
-      return invalid("row_pairs scratch: num_weights * M * 2 int32");
-  }
-  // weight set i's xa: rows [i M, (i + 1) M) of the xa scratch, row stride R_i
-  char* const xa_base = static_cast<char*>(xa->untyped_data());
-  const int64_t xa_plane = M * (xa->dimensions().size() == 2 ? xa->dimensions()[1] : 0) * 2;
-  GroupedArgs folds[kExpertMatmulMaxWeights] = {};
-  bool any_lora = false, epilogue = true;
-  for (int64_t i = 0; i < num_weights; ++i) {
-    if (!has_lora[i]) continue;
-    any_lora = true;
-    folds[i] = GroupedArgs{dtype,
-                           x.untyped_data(),
-                           outs[i],
-                           xa_base + i * xa_plane,
-                           offsets.typed_data(),
-                           sorted_token_ids.typed_data(),
-                           row_adapter.typed_data(),
-                           has_row_adapter != 0,
-                           has_row_adapter ? int64_t(row_adapter.element_count()) : 0,
-                           rb[i].a_pool.untyped_data(),
-                           rb[i].b_pool.untyped_data(),
-                           routes[i],
-                           E,
-                           M,
-                           K,
-                           N,
-                           dims[i].R,
-                           0,
-                           M,
-                           false,
-                           nullptr,
-                           M,
-                           row_pairs->typed_data() + i * M * 2};
-    epilogue = epilogue && grouped_shrink_rows_fits(folds[i], kLoraEpilogueMaxRank);
+    if (xad.size() != 2 || xad[0] != M || xad[1] < dims[i].R) return invalid("xa scratch shape");
   }
 
   ExpertGemmArgs g{x.untyped_data(),
@@ -124,27 +87,33 @@ ffi::Error ExpertMatmulCudaImpl(
                    {outs[0], outs[1]},
                    offsets.typed_data(), num_weights, E, M, K, N, scratch->untyped_data(),
                    int64_t(scratch->size_bytes()), int(sm_count)};
-  cudaError_t err = cudaSuccess;
-  if (any_lora && epilogue) {
-    LoraEpilogueArgs lora{offsets.typed_data(), int(E), {}};
-    for (int64_t i = 0; i < num_weights && err == cudaSuccess; ++i) {
-      if (!has_lora[i]) continue;
-      err = cudaMemsetAsync(folds[i].row_pairs, 0, size_t(M) * 2 * sizeof(int32_t), stream);
-      if (err == cudaSuccess) err = launch_grouped_shrink_rows(folds[i], stream);
-      lora.set[i] = LoraSet{static_cast<const uint16_t*>(folds[i].xa), folds[i].row_pairs,
-                            static_cast<const uint16_t*>(folds[i].b_pool), int(dims[i].R),
-                            int(routes[i].n_experts)};
-    }
-    if (err == cudaSuccess)
-      err = dtype == DType::kBf16 ? expert_gemm_lora_run_bf16(g, lora, stream)
-                                  : expert_gemm_lora_run_f16(g, lora, stream);
-  } else {
-    err = dtype == DType::kBf16 ? expert_gemm_run_bf16(g, stream) : expert_gemm_run_f16(g, stream);
-    for (int64_t i = 0; i < num_weights && err == cudaSuccess; ++i) {
-      if (!has_lora[i]) continue;
-      folds[i].row_pairs = nullptr;
-      err = launch_grouped_fast(folds[i], stream);
-    }
+  cudaError_t err = dtype == DType::kBf16 ? expert_gemm_run_bf16(g, stream)
+                                          : expert_gemm_run_f16(g, stream);
+  for (int64_t i = 0; i < num_weights && err == cudaSuccess; ++i) {
+    if (!has_lora[i]) continue;
+    GroupedArgs f{dtype,
+                  x.untyped_data(),
+                  outs[i],
+                  xa->untyped_data(),
+                  offsets.typed_data(),
+                  sorted_token_ids.typed_data(),
+                  row_adapter.typed_data(),
+                  has_row_adapter != 0,
+                  has_row_adapter ? int64_t(row_adapter.element_count()) : 0,
+                  rb[i].a_pool.untyped_data(),
+                  rb[i].b_pool.untyped_data(),
+                  routes[i],
+                  E,
+                  M,
+                  K,
+                  N,
+                  dims[i].R,
+                  0,
+                  M,
+                  false,
+                  nullptr,
+                  M};
+    err = launch_grouped_fast(f, stream);
   }
   if (err != cudaSuccess) return ffi::Error::Internal(std::string("expert_matmul: ") +
                                                       cudaGetErrorString(err));
@@ -161,11 +130,8 @@ int64_t cuda_sm_count(int64_t device) {
 }
 
 int64_t expert_matmul_scratch_bytes(int64_t num_groups, int64_t sm_count) {
-  const int sm = int(sm_count);
-  return std::max({expert_gemm_scratch_bytes_bf16(num_groups, sm),
-                   expert_gemm_scratch_bytes_f16(num_groups, sm),
-                   expert_gemm_lora_scratch_bytes_bf16(num_groups, sm),
-                   expert_gemm_lora_scratch_bytes_f16(num_groups, sm)});
+  return std::max(expert_gemm_scratch_bytes_bf16(num_groups, int(sm_count)),
+                  expert_gemm_scratch_bytes_f16(num_groups, int(sm_count)));
 }
 
 }  // namespace moelora
@@ -191,8 +157,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertMatmulCuda, moelora::ExpertMatmulCudaImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()       //          scale_table
                                   .Ret<ffi::AnyBuffer>()              // out [num_weights, M, N]
                                   .Ret<ffi::AnyBuffer>()              // scratch u8
-                                  .Ret<ffi::AnyBuffer>()              // xa [num_weights * M, R]
-                                  .Ret<ffi::Buffer<ffi::S32>>()       // row_pairs [num_weights * M * 2]
+                                  .Ret<ffi::AnyBuffer>()              // xa [M, R]
                                   .Attr<int64_t>("num_weights")
                                   .Attr<int64_t>("has_lora0")
                                   .Attr<int64_t>("has_lora1")

@@ -52,29 +52,21 @@ struct Problems {
   typename C::StrideD* stride_d;
 };
 
-// The epilogue arguments of D = round(acc) (the LinearCombination epilogue).
-template <class C>
-auto round_acc_epilogue() {
-  using Thread = decltype(typename C::Gemm::Arguments{}.epilogue.thread);
-  Thread t{};
-  t.alpha = 1.0f;
-  t.beta = 0.0f;
-  return t;
-}
-
-template <class C, class T, class Thread>
-typename C::Gemm::Arguments gemm_arguments(const Problems<C, T>& p, int64_t groups, int sm_count,
-                                           const Thread& thread) {
+template <class C, class T>
+typename C::Gemm::Arguments gemm_arguments(const Problems<C, T>& p, int64_t groups, int sm_count) {
   using Gemm = typename C::Gemm;
   cutlass::KernelHardwareInfo hw;
   hw.device_id = 0;  // read only when sm_count <= 0, which the handler rejects
   hw.sm_count = sm_count;
-  return typename Gemm::Arguments{
+  typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {int(groups), p.shapes, nullptr},  // device shapes only: no host copy
       {p.ptr_a, p.stride_a, p.ptr_b, p.stride_b},
-      {thread, nullptr, nullptr, p.ptr_d, p.stride_d},
+      {{}, nullptr, nullptr, p.ptr_d, p.stride_d},
       hw};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  return args;
 }
 
 // Block 0 writes one problem per (weight set, expert): rows
@@ -111,21 +103,23 @@ __global__ void __launch_bounds__(256) setup_problems(Problems<C, T> p, ExpertGe
   }
 }
 
-template <class C, class T, class Thread>
-int64_t scratch_bytes_of(int64_t groups, int sm_count, const Thread& thread) {
+template <DType D>
+int64_t scratch_bytes(int64_t groups, int sm_count) {
+  using T = typename ElementOf<D>::type;
+  using C = Config<T>;
   Problems<C, T> none{};
-  const auto args = gemm_arguments<C, T>(none, groups, sm_count, thread);
+  const auto args = gemm_arguments<C, T>(none, groups, sm_count);
   return scratch_layout<C>(groups, int64_t(C::Gemm::get_workspace_size(args))).total;
 }
 
-// Writes the problems (setup_problems), then runs the GEMM of config C with
-// the epilogue arguments `thread`.
-template <class C, class T, class Thread>
-cudaError_t run_with(const ExpertGemmArgs& a, const Thread& thread, cudaStream_t stream) {
+template <DType D>
+cudaError_t run(const ExpertGemmArgs& a, cudaStream_t stream) {
+  using T = typename ElementOf<D>::type;
+  using C = Config<T>;
   const int64_t groups = a.num_weights * a.E;
   Problems<C, T> none{};
-  const int64_t workspace_bytes = int64_t(
-      C::Gemm::get_workspace_size(gemm_arguments<C, T>(none, groups, a.sm_count, thread)));
+  const int64_t workspace_bytes =
+      int64_t(C::Gemm::get_workspace_size(gemm_arguments<C, T>(none, groups, a.sm_count)));
   const ScratchLayout l = scratch_layout<C>(groups, workspace_bytes);
   if (a.sm_count <= 0 || a.scratch_bytes < l.total) return cudaErrorInvalidValue;
   char* base = static_cast<char*>(a.scratch);
@@ -144,7 +138,7 @@ cudaError_t run_with(const ExpertGemmArgs& a, const Thread& thread, cudaStream_t
   if (cudaError_t err = cudaPeekAtLastError(); err != cudaSuccess) return err;
 
   typename C::Gemm gemm;
-  const auto args = gemm_arguments<C, T>(p, groups, a.sm_count, thread);
+  const auto args = gemm_arguments<C, T>(p, groups, a.sm_count);
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
   if (gemm.initialize(args, base + l.workspace, stream) != cutlass::Status::kSuccess)
     return cudaErrorInvalidConfiguration;
@@ -153,20 +147,6 @@ cudaError_t run_with(const ExpertGemmArgs& a, const Thread& thread, cudaStream_t
     return err != cudaSuccess ? err : cudaErrorLaunchFailure;
   }
   return cudaPeekAtLastError();
-}
-
-template <DType D>
-int64_t scratch_bytes(int64_t groups, int sm_count) {
-  using T = typename ElementOf<D>::type;
-  using C = Config<T>;
-  return scratch_bytes_of<C, T>(groups, sm_count, round_acc_epilogue<C>());
-}
-
-template <DType D>
-cudaError_t run(const ExpertGemmArgs& a, cudaStream_t stream) {
-  using T = typename ElementOf<D>::type;
-  using C = Config<T>;
-  return run_with<C, T>(a, round_acc_epilogue<C>(), stream);
 }
 
 }  // namespace moelora::expert_gemm

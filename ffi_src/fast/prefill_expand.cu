@@ -368,17 +368,4 @@ cudaError_t launch_grouped_fast(const GroupedArgs& args, cudaStream_t stream) {
                                     : grouped_expand<DType::kF16>(args, lo, hi, stream);
 }
 
-bool grouped_shrink_rows_fits(const GroupedArgs& args, int64_t max_rank) {
-  return args.dtype != DType::kF32 && args.R <= max_rank && fast::grouped_split_fits(args);
-}
-
-cudaError_t launch_grouped_shrink_rows(const GroupedArgs& args, cudaStream_t stream) {
-  if (args.te <= 0 || args.N <= 0 || args.K <= 0 || args.R <= 0) return cudaSuccess;
-  const int64_t lo = std::max<int64_t>(0, args.row_offset);
-  const int64_t hi = std::min<int64_t>(args.row_end, args.te);
-  if (hi <= lo || std::min<int64_t>(args.route.n_experts, args.num_experts) <= 0)
-    return cudaSuccess;
-  return fast::launch_grouped_shrink(args, stream);
-}
-
 }  // namespace moelora

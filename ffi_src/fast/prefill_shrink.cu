@@ -1,8 +1,6 @@
 // Prefill fold, first launch: the shrink xa = round(x . A) of every row of
 // the window that folds, written to the handler's xa scratch [te, R].
-// prefill_expand.cu then folds round(xa . B) into base_out (or expert_matmul's
-// GEMM epilogue does, reading each folding row's {b slot, scale}, which the
-// shrink then also writes to row_pairs).
+// prefill_expand.cu then folds round(xa . B) into base_out.
 //
 // A "batch" is up to MR = 8 * NRG rows of one tile that fold with one pair
 // (one A block [R, K]). One CTA of kCellThreads runs a batch on the tensor
@@ -299,10 +297,6 @@ __global__ void __launch_bounds__(kCellThreads, 2) grouped_shrink_kernel(const G
           const int r = int(r0 + tid);
           s_orow[pos] = r;
           s_xrow[pos] = a.x_gather ? s_tok[tid] : r;
-          if (a.row_pairs) {
-            a.row_pairs[2 * int64_t(r)] = pair.b;
-            a.row_pairs[2 * int64_t(r) + 1] = __float_as_int(pair.scale);
-          }
         }
       }
       __syncthreads();

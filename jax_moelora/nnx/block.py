@@ -30,13 +30,11 @@ from flax import nnx
 
 from jax_moelora.int_range import check_int32_values
 from jax_moelora.nnx.experts import (
-    EPILOGUE_IMPLS,
     EXPERT_GEMMS,
     ExpertGemm,
     ExpertRows,
     GluExperts,
     GptOssExperts,
-    GroupedLora,
     SharedExperts,
     default_expert_init,
 )
@@ -211,15 +209,10 @@ class MoEBlock(nnx.Module):
                          num_adapters=self.lora.max_loras if routes is not None else 0)
         rows = ExpertRows.make(plan, self._path(plan.grouped), self.num_experts,
                                self.expert_gemm)
-        # gate and up with LoRA: one fold of their stacked route (on sorted
-        # rows with the CUTLASS GEMM, in its epilogue)
+        # gate and up with LoRA: one fold of their stacked route
         if routes is not None and plan.grouped:  # sorted rows, stacked [2, rows, I]
-            gate_up = GroupedLora(
-                lambda b: fold_planned(x, b, plan, routes.gate_up, adapter_ids, x_gather=1,
-                                       impl=impl),
-                (routes.gate_up.member(0), routes.gate_up.member(1)), adapter_ids,
-                impl in EPILOGUE_IMPLS)
-            gu = self.experts.first_stacked(x, rows, lora=gate_up)
+            gu = fold_planned(x, self.experts.first_stacked(x, rows), plan, routes.gate_up,
+                              adapter_ids, x_gather=1, impl=impl)
             g, u = gu[0], gu[1]
         else:
             g, u = self.experts.first(x, rows)
@@ -227,16 +220,9 @@ class MoEBlock(nnx.Module):
                 g, u = fold_token_projections(x, (g, u), plan.topk_ids, routes.gate_up,
                                               adapter_ids, impl=impl)
         h = self.experts.activation(g, u)
-        if routes is not None and plan.grouped:
-            down = GroupedLora(
-                lambda b: fold_planned(h, b[0], plan, routes.down, adapter_ids, x_gather=0,
-                                       impl=impl)[None],
-                (routes.down,), adapter_ids, impl in EPILOGUE_IMPLS)
-            d = self.experts.down(h, rows, lora=down)
-        else:
-            d = self.experts.down(h, rows)
-            if routes is not None:
-                d = fold_planned(h, d, plan, routes.down, adapter_ids, x_gather=0, impl=impl)
+        d = self.experts.down(h, rows)
+        if routes is not None:
+            d = fold_planned(h, d, plan, routes.down, adapter_ids, x_gather=0, impl=impl)
         d = plan.to_flat_order(d)
         return jnp.einsum("tk,tkh->th", weights, d.reshape(t, k, -1).astype(jnp.float32))
 

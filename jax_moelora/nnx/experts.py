@@ -25,7 +25,7 @@ Hopper GPUs; XLA:GPU lowers ``ragged_dot`` to a dense zero-padded matmul).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +37,9 @@ from jax_moelora.ops.expert_matmul import expert_matmul as _library_expert_matmu
 from jax_moelora.ops.expert_matmul import uses_kernel
 from jax_moelora.ops.folds import RowPlan, plan_rows
 
-__all__ = ["EPILOGUE_IMPLS", "EXPERT_GEMMS", "ExpertGemm", "ExpertPath", "ExpertRows", "GluExperts",
-           "GptOssExperts", "GroupedLora", "SharedExperts", "default_expert_init",
-           "expert_matmul", "expert_matmul_pair", "grouped_gemm_runs_kernel"]
+__all__ = ["EXPERT_GEMMS", "ExpertGemm", "ExpertPath", "ExpertRows", "GluExperts",
+           "GptOssExperts", "SharedExperts", "default_expert_init", "expert_matmul",
+           "expert_matmul_pair", "grouped_gemm_runs_kernel"]
 
 Array = jax.Array
 ExpertPath = Literal["dense", "ragged"]
@@ -52,10 +52,6 @@ ExpertPath = Literal["dense", "ragged"]
 #: ``ragged_dot`` everywhere else (so the CPU keeps ``ragged_dot``'s bits).
 ExpertGemm = Literal["auto", "ragged_dot", "expert_matmul"]
 EXPERT_GEMMS: tuple[str, ...] = ("auto", "ragged_dot", "expert_matmul")
-
-#: The block's fold backends (``impl``) whose grouped folds may run in
-#: :func:`jax_moelora.expert_matmul`'s GEMM epilogue (:class:`GroupedLora`).
-EPILOGUE_IMPLS: tuple[str, ...] = ("auto", "fast")
 
 #: LeCun normal over each expert's ``[K, N]`` matrix of ``[E, K, N]`` weights.
 default_expert_init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
@@ -87,24 +83,6 @@ class ExpertRows(NamedTuple):
     def experts(self) -> Array:
         """int32 ``[T * top_k]``: each row's expert, in plan order."""
         return self.plan.row_experts()
-
-
-class GroupedLora(NamedTuple):
-    """The LoRA of the weight sets of one grouped GEMM on sorted rows.
-
-    ``fold(base)``: the block's fold of the stacked GEMM output ``[S, M, N]``
-    (``S`` weight sets), returning the same shape. ``routes``: one
-    ``MoeExpertRoute`` per weight set folding exactly as ``fold`` does, and
-    ``row_adapter``: the tokens' adapters; with them, where the CUTLASS kernel
-    runs, :func:`jax_moelora.expert_matmul` folds in its GEMM's epilogue
-    instead (one pass over the output). ``epilogue``: whether that is allowed
-    (the block's fold backend is ``"auto"`` or ``"fast"``).
-    """
-
-    fold: Callable[[Array], Array]
-    routes: tuple
-    row_adapter: Array | None
-    epilogue: bool
 
 
 def _take_slots(all_out: Array, topk_ids: Array) -> Array:
@@ -160,21 +138,12 @@ def _expert_matmul(xs: Array, ws: tuple[Array, ...], sizes: Array, stacked: bool
 
 
 def _grouped_gemm(xs: Array, ws: tuple[Array, ...], sizes: Array, gemm: str,
-                  stacked: bool = False, lora: GroupedLora | None = None,
-                  sorted_token_ids: Array | None = None):
+                  stacked: bool = False):
     """Rows ``xs [M, K]`` sorted by expert (``sizes [E]`` rows each) through
     each of ``ws`` (``[E, K, N]``, same shape): one ``[M, N]`` per weight, or
-    with ``stacked`` one ``[len(ws), M, N]``. With ``lora`` (``stacked``
-    only) the result is folded: in the kernel's epilogue where the CUTLASS
-    kernel runs and ``lora.epilogue`` allows it (``sorted_token_ids`` gives
-    each row's token), else by ``lora.fold`` after the GEMM."""
+    with ``stacked`` one ``[len(ws), M, N]``."""
     ragged = functools.partial(_ragged_dot, stacked=stacked)
     library = functools.partial(_expert_matmul, stacked=stacked)
-    if lora is not None:
-        assert stacked, "a folded grouped GEMM returns the stacked outputs"
-        ragged = _then(ragged, lora.fold)
-        library = (functools.partial(_expert_matmul_folded, lora=lora, stids=sorted_token_ids)
-                   if lora.epilogue else _then(library, lora.fold))
     if gemm == "ragged_dot":
         return ragged(xs, ws, sizes)
     if gemm == "expert_matmul":
@@ -187,25 +156,8 @@ def _grouped_gemm(xs: Array, ws: tuple[Array, ...], sizes: Array, gemm: str,
     return jax.lax.platform_dependent(xs, ws, sizes, cuda=library, default=ragged)
 
 
-def _then(gemm: Callable, fold: Callable) -> Callable:
-    return lambda xs, ws, sizes: fold(gemm(xs, ws, sizes))
-
-
-def _expert_matmul_folded(xs: Array, ws: tuple[Array, ...], sizes: Array, *, lora: GroupedLora,
-                          stids: Array) -> Array:
-    """The library's grouped GEMM with the LoRA folded in its epilogue:
-    ``[len(ws), M, N]``."""
-    sizes = sizes.astype(jnp.int32)
-    if len(ws) == 2:
-        return _library_expert_matmul(xs, ws, sizes, lora=tuple(lora.routes),
-                                      row_adapter=lora.row_adapter, sorted_token_ids=stids,
-                                      stacked=True)
-    return _library_expert_matmul(xs, ws[0], sizes, lora=lora.routes[0],
-                                  row_adapter=lora.row_adapter, sorted_token_ids=stids)[None]
-
-
 def expert_matmul_pair(x: Array, ws: tuple[Array, ...], rows: ExpertRows, *,
-                       x_gather: bool, stacked: bool = False, lora: GroupedLora | None = None):
+                       x_gather: bool, stacked: bool = False):
     """Each row through its expert's weights, for one or two weight sets of one
     shape ``[E, K, N]`` on the same rows (gate and up: on the ragged path with
     ``expert_matmul`` they are one grouped GEMM of ``2E`` problems).
@@ -216,17 +168,11 @@ def expert_matmul_pair(x: Array, ws: tuple[Array, ...], rows: ExpertRows, *,
       ws: the experts' weights, ``x``'s dtype.
       rows: the rows and the matmul path.
 
-      lora: the LoRA of the weight sets (``stacked`` only): the result is
-        folded (:class:`GroupedLora`; in the GEMM's epilogue on the ragged
-        path of a sorted plan where the CUTLASS kernel runs).
-
     Returns:
       one ``[T * top_k, N]`` per weight set, in plan order; with ``stacked``
       one ``[len(ws), T * top_k, N]`` (the ragged path of a sorted plan writes
       it in place with ``expert_matmul``).
     """
-    if lora is not None and not stacked:
-        raise ValueError("expert_matmul_pair: lora needs stacked=True")
     plan = rows.plan
     if rows.path == "ragged":
         srt = rows.ragged
@@ -236,15 +182,12 @@ def expert_matmul_pair(x: Array, ws: tuple[Array, ...], rows: ExpertRows, *,
         else:
             xs = x if plan.grouped else srt.to_plan_order(x)
         if plan.grouped:
-            return _grouped_gemm(xs, tuple(ws), sizes, rows.gemm, stacked, lora,
-                                 srt.sorted_token_ids)
+            return _grouped_gemm(xs, tuple(ws), sizes, rows.gemm, stacked)
         outs = [srt.to_flat_order(o) for o in _grouped_gemm(xs, tuple(ws), sizes, rows.gemm)]
     else:
         outs = [plan.to_plan_order(_dense_tokens(x, w, plan.topk_ids) if x_gather else
                                    _dense_rows(plan.to_flat_order(x), w, plan.topk_ids))
                 for w in ws]
-    if lora is not None:
-        return lora.fold(jnp.stack(outs))
     return jnp.stack(outs) if stacked else tuple(outs)
 
 
@@ -287,27 +230,21 @@ class GluExperts(nnx.Module):
                                       self.up_proj[...].astype(self.dtype)), rows, x_gather=True)
         return g, u
 
-    def first_stacked(self, x: Array, rows: ExpertRows,
-                      lora: GroupedLora | None = None) -> Array:
+    def first_stacked(self, x: Array, rows: ExpertRows) -> Array:
         """:meth:`first` stacked ``[2, T * top_k, I]`` (gate, up), the layout
-        of the stacked gate+up fold (written in place by ``expert_matmul``);
-        with ``lora``, folded (in the GEMM's epilogue where it can be)."""
+        of the stacked gate+up fold (written in place by ``expert_matmul``)."""
         return expert_matmul_pair(x, (self.gate_proj[...].astype(self.dtype),
                                       self.up_proj[...].astype(self.dtype)), rows, x_gather=True,
-                                  stacked=True, lora=lora)
+                                  stacked=True)
 
     def activation(self, g: Array, u: Array) -> Array:
         """``silu(g) * u`` in float32, rounded once to the activation dtype (so
         the result does not depend on how XLA fuses the elementwise ops)."""
         return (jax.nn.silu(_f32(g)) * _f32(u)).astype(g.dtype)
 
-    def down(self, h: Array, rows: ExpertRows, lora: GroupedLora | None = None) -> Array:
-        """Rows ``h [T * top_k, I]`` -> base down rows ``[T * top_k, H]``;
-        with ``lora``, folded (in the GEMM's epilogue where it can be)."""
-        w = self.down_proj[...].astype(self.dtype)
-        if lora is not None:
-            return expert_matmul_pair(h, (w,), rows, x_gather=False, stacked=True, lora=lora)[0]
-        return expert_matmul(h, w, rows, x_gather=False)
+    def down(self, h: Array, rows: ExpertRows) -> Array:
+        """Rows ``h [T * top_k, I]`` -> base down rows ``[T * top_k, H]``."""
+        return expert_matmul(h, self.down_proj[...].astype(self.dtype), rows, x_gather=False)
 
 
 class GptOssExperts(nnx.Module):
@@ -345,12 +282,9 @@ class GptOssExperts(nnx.Module):
         gu = gu + self.gate_up_proj_bias[...].astype(self.dtype)[rows.experts()]
         return gu[:, 0::2], gu[:, 1::2]
 
-    def first_stacked(self, x: Array, rows: ExpertRows,
-                      lora: GroupedLora | None = None) -> Array:
-        """:meth:`first` stacked ``[2, T * top_k, I]`` (gate, up); with
-        ``lora``, folded after the biases (``lora.fold``)."""
-        gu = jnp.stack(self.first(x, rows))
-        return gu if lora is None else lora.fold(gu)
+    def first_stacked(self, x: Array, rows: ExpertRows) -> Array:
+        """:meth:`first` stacked ``[2, T * top_k, I]`` (gate, up)."""
+        return jnp.stack(self.first(x, rows))
 
     def activation(self, g: Array, u: Array) -> Array:
         """``(clip(u, -limit, limit) + 1) * gc * sigmoid(alpha * gc)`` with
@@ -359,12 +293,10 @@ class GptOssExperts(nnx.Module):
         uc = jnp.clip(_f32(u), -self.limit, self.limit)
         return ((uc + 1.0) * (gc * jax.nn.sigmoid(self.alpha * gc))).astype(g.dtype)
 
-    def down(self, h: Array, rows: ExpertRows, lora: GroupedLora | None = None) -> Array:
-        """Rows ``h [T * top_k, I]`` -> base down rows ``[T * top_k, H]``, bias
-        included; with ``lora``, folded after the bias (``lora.fold``)."""
+    def down(self, h: Array, rows: ExpertRows) -> Array:
+        """Rows ``h [T * top_k, I]`` -> base down rows ``[T * top_k, H]``, bias included."""
         d = expert_matmul(h, self.down_proj[...].astype(self.dtype), rows, x_gather=False)
-        d = d + self.down_proj_bias[...].astype(self.dtype)[rows.experts()]
-        return d if lora is None else lora.fold(d[None])[0]
+        return d + self.down_proj_bias[...].astype(self.dtype)[rows.experts()]
 
 
 class SharedExperts(nnx.Module):

@@ -74,18 +74,15 @@ def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter):
     sm = device_sm_count()
     scratch = int(_ext.ext.expert_matmul_scratch_bytes(nw * E, sm))
     ranks = [r.max_rank for r in routes if r is not None]
-    # xa and the rows' {b slot, scale} pairs of each weight set, written by
-    # the shrink and read by the GEMM's epilogue (or by the fold after it)
     out_types = (jax.ShapeDtypeStruct((nw, M, N), dt),
                  jax.ShapeDtypeStruct((scratch,), jnp.uint8),
-                 jax.ShapeDtypeStruct((nw * M if ranks else 1, max(ranks, default=1)), dt),
-                 jax.ShapeDtypeStruct((nw * M * 2 if ranks else 2,), jnp.int32))
+                 jax.ShapeDtypeStruct((M if ranks else 1, max(ranks, default=1)), dt))
     ra = row_adapter if row_adapter is not None else jnp.zeros((1,), jnp.int32)
     w1 = ws[1] if nw > 1 else ws[0]
     r0 = _route_operands(routes[0], dt)
     r1 = _route_operands(routes[1] if nw > 1 else None, dt)
     call = jax.ffi.ffi_call(_ext.EXPERT_MATMUL_TARGET, out_types, vmap_method="sequential")
-    out, _scratch, _xa, _row_pairs = call(
+    out, _scratch, _xa = call(
         xs, offsets, ws[0], w1, stids, ra, *r0, *r1,
         num_weights=np.int64(nw), has_lora0=np.int64(routes[0] is not None),
         has_lora1=np.int64(nw > 1 and routes[1] is not None),

@@ -129,16 +129,6 @@ class StackedRoute(SlotsPytree):
                         self.b_pool.reshape((S * P,) + tuple(self.b_pool.shape[2:])),
                         self.a_cells, self.b_cells, self.scales))
 
-    def member(self, s: int) -> MoeExpertRoute:
-        """Projection ``s`` folding exactly as :meth:`route` ``(s)``, over the
-        stored pools: pools ``[S * P, ...]`` (reshaped, not copied) and
-        projection ``s``'s columns of the stored cells (slots ``s * P + c``;
-        -1 outside the pool, which folds nothing)."""
-        E = self.n_experts
-        v = self.virtual()
-        return _single((v.a_pool, v.b_pool, self.a_cells[:, s * E:(s + 1) * E],
-                        self.b_cells[:, s * E:(s + 1) * E], self.scales[:, s * E:(s + 1) * E]))
-
     def __repr__(self) -> str:
         return f"StackedRoute(S={self.num_routes}, {self.route(0)!r})"
 
