@@ -118,6 +118,22 @@ struct GatherArgs {
   RouteView route;
   int64_t n_slots, K, N, R, top_k;
   bool x_gather;
+  // Output layout (fold_common.h's gather_out_row): dense_tokens == 0, flat
+  // rows of out; else a (virtual) expert's rows live in out (member 0) or
+  // out2 (member 1), [dense_experts, dense_tokens, N] each.
+  void* out2;
+  int64_t dense_tokens, dense_experts;
+  bool pdl;  // kernels after a plan kernel may use programmatic dependent launch
+
+  // The first element of the output row of flat row `row` folding with
+  // (virtual) expert `expert` (element type T).
+  template <class T>
+  __host__ __device__ __forceinline__ T* out_row(int64_t row, int64_t expert) const {
+    if (dense_tokens == 0) return static_cast<T*>(out) + row * N;
+    int buffer;
+    const int64_t o = gather_out_row(row, row / top_k, expert, dense_tokens, dense_experts, &buffer);
+    return static_cast<T*>(buffer ? out2 : out) + o * N;
+  }
 };
 
 // Everything a grouped fold launch needs. Sorted row r reads and writes out
@@ -140,6 +156,7 @@ struct GroupedArgs {
   bool x_gather;
   const int32_t* out_rows;  // [te], or nullptr (out row r for sorted row r)
   int64_t m;                // rows of out (te when out_rows is nullptr)
+  bool pdl;  // the expand may use programmatic dependent launch after the shrink
 };
 
 // The seed-design kernels (moe_lora_gather_bgmv.cu, moe_lora_grouped_down.cu):
@@ -162,19 +179,24 @@ inline xla::ffi::Error cuda_dtype(xla::ffi::DataType t, DType* out) {
 cudaError_t launch_gather_fast(const GatherArgs& args, cudaStream_t stream);
 cudaError_t launch_grouped_fast(const GroupedArgs& args, cudaStream_t stream);
 
-// The tail of both CUDA handlers: copy base_out into out when XLA did not
-// alias them, launch `variant` (when `launch`: the window holds rows), and
-// turn a CUDA error into an FFI error naming `op`.
+// The tail of both CUDA handlers: copy base_out into out (and a gather
+// fold's second base into out2) when XLA did not alias them, launch
+// `variant` (when `launch`: the window holds rows), and turn a CUDA error
+// into an FFI error naming `op`.
 template <class Args>
 xla::ffi::Error launch_variant(const char* op, int64_t variant, const Args& args,
                                cudaError_t (*seed)(const Args&, cudaStream_t),
                                cudaError_t (*fast)(const Args&, cudaStream_t), const void* base,
-                               size_t bytes, bool launch, cudaStream_t stream) {
+                               size_t bytes, bool launch, cudaStream_t stream,
+                               const void* base2 = nullptr, void* out2 = nullptr,
+                               size_t bytes2 = 0) {
   if (variant != kVariantSeed && variant != kVariantFast)
     return xla::ffi::Error::InvalidArgument(std::string(op) + ": unknown variant");
   cudaError_t err = cudaSuccess;
   if (base != args.out)
     err = cudaMemcpyAsync(args.out, base, bytes, cudaMemcpyDeviceToDevice, stream);
+  if (err == cudaSuccess && bytes2 && base2 != out2)
+    err = cudaMemcpyAsync(out2, base2, bytes2, cudaMemcpyDeviceToDevice, stream);
   if (err == cudaSuccess && launch) err = (variant == kVariantSeed ? seed : fast)(args, stream);
   if (err != cudaSuccess)
     return xla::ffi::Error::Internal(std::string(op) + ": " + cudaGetErrorString(err));

@@ -111,4 +111,21 @@ MOELORA_HD bool grouped_out_row(const int32_t* out_rows, int64_t m, int64_t row,
   return o >= 0 && o < m;
 }
 
+// The output row of a gather fold's flat row `row` (token `token`) that folds
+// with (virtual) expert `expert`, in [0, n_experts). Flat layout
+// (dense_tokens == 0): row `row` of buffer 0. Dense expert layout: buffer
+// expert / dense_experts (0 or 1: the member of a stacked route), row
+// (expert % dense_experts) * dense_tokens + token of that buffer's
+// [dense_experts, dense_tokens, N] rows.
+MOELORA_HD int64_t gather_out_row(int64_t row, int64_t token, int64_t expert,
+                                  int64_t dense_tokens, int64_t dense_experts, int* buffer) {
+  if (dense_tokens == 0) {
+    *buffer = 0;
+    return row;
+  }
+  const int64_t s = expert >= dense_experts ? 1 : 0;
+  *buffer = int(s);
+  return (expert - s * dense_experts) * dense_tokens + token;
+}
+
 }  // namespace moelora

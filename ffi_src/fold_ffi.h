@@ -51,19 +51,39 @@ inline ffi::Error check_route(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuf
                          b_table, scale_table, d, route);
 }
 
-// Every check of a moe_lora_gather_bgmv call; fills the dims and the route.
-inline ffi::Error check_gather(ffi::AnyBuffer x, ffi::AnyBuffer base,
+// Every check of a moe_lora_gather_bgmv call; fills the dims, the route and
+// the flat rows n_slots (indices' length). Flat layout (dense_tokens == 0):
+// base_out has n_slots rows. Dense expert layout: base_out (and base2, when
+// the route's experts reach past dense_experts) holds [dense_experts,
+// dense_tokens] rows, one token per n_slots / top_k; the route has at most
+// 2 * dense_experts (virtual) experts.
+inline ffi::Error check_gather(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuffer base2,
                                ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> row_adapter,
                                ffi::AnyBuffer a_pool, ffi::AnyBuffer b_pool,
                                ffi::Buffer<ffi::S32> a_table, ffi::Buffer<ffi::S32> b_table,
                                ffi::Buffer<ffi::F32> scale_table, int64_t top_k, int64_t x_gather,
-                               int64_t has_row_adapter, Dims* d, RouteView* route) {
+                               int64_t has_row_adapter, int64_t dense_tokens,
+                               int64_t dense_experts, Dims* d, RouteView* route,
+                               int64_t* n_slots_out) {
   if (auto e = check_route(x, base, a_pool, b_pool, a_table, b_table, scale_table, d, route);
       e.failure())
     return e;
-  const int64_t n_slots = base.dimensions()[0];
-  if (top_k < 1 || n_slots % top_k || int64_t(indices.element_count()) != n_slots)
+  const int64_t n_slots = int64_t(indices.element_count());
+  *n_slots_out = n_slots;
+  if (top_k < 1 || n_slots % top_k)
     return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: bad top_k or indices length");
+  if (dense_tokens == 0) {
+    if (base.dimensions()[0] != n_slots)
+      return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: indices and base_out rows differ");
+  } else {
+    const auto bd = base.dimensions(), b2 = base2.dimensions();
+    const bool two = route->n_experts > dense_experts;
+    if (dense_tokens < 0 || dense_experts < 1 || n_slots / top_k != dense_tokens ||
+        bd[0] != dense_experts * dense_tokens || route->n_experts > 2 * dense_experts ||
+        (two && (b2.size() != 2 || b2[0] != bd[0] || b2[1] != bd[1] ||
+                 base2.element_type() != base.element_type())))
+      return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: bad dense expert layout");
+  }
   if (x.dimensions()[0] != (x_gather ? n_slots / top_k : n_slots))
     return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: x rows do not match x_gather");
   if (has_row_adapter && int64_t(row_adapter.element_count()) != n_slots / top_k)
@@ -103,6 +123,7 @@ template <class B>
 auto bind_gather(B binding) {
   return std::move(binding).template Arg<ffi::AnyBuffer>()  // x
       .template Arg<ffi::AnyBuffer>()                   // base_out
+      .template Arg<ffi::AnyBuffer>()                   // base2
       .template Arg<ffi::Buffer<ffi::S32>>()            // indices
       .template Arg<ffi::Buffer<ffi::S32>>()            // row_adapter
       .template Arg<ffi::AnyBuffer>()                   // a_pool
@@ -111,10 +132,14 @@ auto bind_gather(B binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()            // b_table
       .template Arg<ffi::Buffer<ffi::F32>>()            // scale_table
       .template Ret<ffi::AnyBuffer>()                   // out (aliases base_out)
+      .template Ret<ffi::AnyBuffer>()                   // out2 (aliases base2)
       .template Ret<ffi::AnyBuffer>()                   // xa scratch
       .template Attr<int64_t>("top_k")
       .template Attr<int64_t>("x_gather")
       .template Attr<int64_t>("has_row_adapter")
+      .template Attr<int64_t>("dense_tokens")
+      .template Attr<int64_t>("dense_experts")
+      .template Attr<int64_t>("pdl")
       .template Attr<int64_t>("variant");
 }
 
@@ -139,6 +164,7 @@ auto bind_grouped(B binding) {
       .template Attr<int64_t>("x_gather")
       .template Attr<int64_t>("has_row_adapter")
       .template Attr<int64_t>("has_out_rows")
+      .template Attr<int64_t>("pdl")
       .template Attr<int64_t>("variant");
 }
 

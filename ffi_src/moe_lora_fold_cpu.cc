@@ -96,13 +96,19 @@ void fold_row(const typename C::T* xrow, const typename C::T* A, const typename 
   }
 }
 
+// Copy `base` into `out` when XLA did not alias them.
+inline void copy_unaliased(ffi::AnyBuffer base, void* out) {
+  if (out != base.untyped_data()) std::memcpy(out, base.untyped_data(), base.size_bytes());
+}
+
 // The typed pointers of one fold, with base_out copied into out first when
-// XLA did not alias them; fold(row, x_row, pair) folds one row.
+// XLA did not alias them; fold(row, x_row, out_row, pair) folds one row
+// (into out2's row with buffer 1: a gather fold's second base).
 template <class C>
 struct FoldBuffers {
   using T = typename C::T;
   const T *x, *a_pool, *b_pool;
-  T *out, *xa;
+  T *out, *xa, *out2 = nullptr;
   Dims d;
 
   FoldBuffers(ffi::AnyBuffer xb, ffi::AnyBuffer base, ffi::AnyBuffer ab, ffi::AnyBuffer bb,
@@ -113,30 +119,36 @@ struct FoldBuffers {
         out(static_cast<T*>(ob->untyped_data())),
         xa(static_cast<T*>(xab->untyped_data())),
         d(dims) {
-    if (ob->untyped_data() != base.untyped_data())
-      std::memcpy(out, base.untyped_data(), base.size_bytes());
+    copy_unaliased(base, out);
   }
 
   // Row `row` (its xa row) folds x row `x_row` into out row `out_row`.
-  void fold(int64_t row, int64_t x_row, int64_t out_row, const Pair& p) const {
+  void fold(int64_t row, int64_t x_row, int64_t out_row, const Pair& p, int buffer = 0) const {
     fold_row<C>(x + x_row * d.K, a_pool + int64_t(p.a) * d.R * d.K,
                 b_pool + int64_t(p.b) * d.N * d.R, d.K, d.R, d.N, p.scale, xa + row * d.R,
-                out + out_row * d.N);
+                (buffer ? out2 : out) + out_row * d.N);
   }
 };
 
 template <class C>
-void gather_impl(ffi::AnyBuffer x, ffi::AnyBuffer base, const int32_t* indices,
-                 const int32_t* row_adapter, bool has_ra, ffi::AnyBuffer a_pool,
-                 ffi::AnyBuffer b_pool, const RouteView& route, const Dims& d, int64_t top_k,
-                 bool x_gather, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> xa) {
-  const int64_t n_slots = base.dimensions()[0];
-  const FoldBuffers<C> buf(x, base, a_pool, b_pool, out, xa, d);
+void gather_impl(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuffer base2, int64_t n_slots,
+                 const int32_t* indices, const int32_t* row_adapter, bool has_ra,
+                 ffi::AnyBuffer a_pool, ffi::AnyBuffer b_pool, const RouteView& route,
+                 const Dims& d, int64_t top_k, bool x_gather, int64_t dense_tokens,
+                 int64_t dense_experts, ffi::Result<ffi::AnyBuffer> out,
+                 ffi::Result<ffi::AnyBuffer> out2, ffi::Result<ffi::AnyBuffer> xa) {
+  FoldBuffers<C> buf(x, base, a_pool, b_pool, out, xa, d);
+  if (dense_tokens > 0 && route.n_experts > dense_experts) {  // a member's rows in base2
+    buf.out2 = static_cast<typename C::T*>(out2->untyped_data());
+    copy_unaliased(base2, buf.out2);
+  }
   for (int64_t row = 0; row < n_slots; ++row) {
     const int64_t t = row / top_k;
     Pair p;
     if (!resolve_pair(route, has_ra ? row_adapter[t] : 0, indices[row], &p)) continue;
-    buf.fold(row, x_gather ? t : row, row, p);
+    int buffer;
+    const int64_t o = gather_out_row(row, t, indices[row], dense_tokens, dense_experts, &buffer);
+    buf.fold(row, x_gather ? t : row, o, p, buffer);
   }
 }
 
@@ -186,23 +198,28 @@ template <class C> struct GroupedFn {
   template <class... A> static void run(A&&... a) { grouped_impl<C>(a...); }
 };
 
-ffi::Error GatherBgmvCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::Buffer<ffi::S32> indices,
-                             ffi::Buffer<ffi::S32> row_adapter, ffi::AnyBuffer a_pool,
-                             ffi::AnyBuffer b_pool, ffi::Buffer<ffi::S32> a_table,
-                             ffi::Buffer<ffi::S32> b_table, ffi::Buffer<ffi::F32> scale_table,
-                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> xa,
+ffi::Error GatherBgmvCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuffer base2,
+                             ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> row_adapter,
+                             ffi::AnyBuffer a_pool, ffi::AnyBuffer b_pool,
+                             ffi::Buffer<ffi::S32> a_table, ffi::Buffer<ffi::S32> b_table,
+                             ffi::Buffer<ffi::F32> scale_table, ffi::Result<ffi::AnyBuffer> out,
+                             ffi::Result<ffi::AnyBuffer> out2, ffi::Result<ffi::AnyBuffer> xa,
                              int64_t top_k, int64_t x_gather, int64_t has_row_adapter,
+                             int64_t dense_tokens, int64_t dense_experts, int64_t pdl,
                              int64_t variant) {
   (void)variant;  // one CPU implementation serves every variant
+  (void)pdl;      // a launch option of the CUDA kernels
   Dims d;
   RouteView route;
-  if (auto e = check_gather(x, base, indices, row_adapter, a_pool, b_pool, a_table, b_table,
-                            scale_table, top_k, x_gather, has_row_adapter, &d, &route);
+  int64_t n_slots;
+  if (auto e = check_gather(x, base, base2, indices, row_adapter, a_pool, b_pool, a_table,
+                            b_table, scale_table, top_k, x_gather, has_row_adapter, dense_tokens,
+                            dense_experts, &d, &route, &n_slots);
       e.failure())
     return e;
-  return dispatch<GatherFn>(base.element_type(), x, base, indices.typed_data(),
+  return dispatch<GatherFn>(base.element_type(), x, base, base2, n_slots, indices.typed_data(),
                             row_adapter.typed_data(), has_row_adapter != 0, a_pool, b_pool, route,
-                            d, top_k, x_gather != 0, out, xa);
+                            d, top_k, x_gather != 0, dense_tokens, dense_experts, out, out2, xa);
 }
 
 ffi::Error GroupedDownCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base,
@@ -214,8 +231,9 @@ ffi::Error GroupedDownCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base,
                               ffi::Buffer<ffi::F32> scale_table, ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::AnyBuffer> xa, int64_t row_offset, int64_t row_end,
                               int64_t x_gather, int64_t has_row_adapter, int64_t has_out_rows,
-                              int64_t variant) {
+                              int64_t pdl, int64_t variant) {
   (void)variant;
+  (void)pdl;
   Dims d;
   RouteView route;
   if (auto e = check_grouped(x, base, expert_offsets, sorted_token_ids, out_rows, a_pool, b_pool,

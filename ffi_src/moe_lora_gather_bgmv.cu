@@ -21,13 +21,14 @@ constexpr int64_t kMaxGridY = 65535;
 
 struct GatherRow {
   Pair pair;
-  int64_t token;
+  int64_t token, expert;
 };
 
 __device__ __forceinline__ bool gather_row(const GatherArgs& a, int64_t row, GatherRow* out) {
   out->token = row / a.top_k;
+  out->expert = a.indices[row];
   const int64_t adapter = a.has_row_adapter ? a.row_adapter[out->token] : 0;
-  return resolve_pair(a.route, adapter, a.indices[row], &out->pair);
+  return resolve_pair(a.route, adapter, out->expert, &out->pair);
 }
 
 template <DType D>
@@ -70,7 +71,7 @@ __global__ void __launch_bounds__(kGbgmvThreads)
   }
   const float s = seed_group_sum(acc);
   if (n < a.N && lane == 0) {
-    T* o = static_cast<T*>(a.out) + row * a.N + n;
+    T* o = a.out_row<T>(row, g.expert) + n;
     const float delta = Tr::to_f(Tr::from_f(s));
     *o = Tr::from_f(fold_add(Tr::to_f(*o), g.pair.scale, delta));
   }
@@ -90,20 +91,26 @@ cudaError_t launch_seed(const GatherArgs& a, cudaStream_t stream) {
 }
 
 ffi::Error GatherBgmvCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer base,
-                              ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> row_adapter,
-                              ffi::AnyBuffer a_pool, ffi::AnyBuffer b_pool,
-                              ffi::Buffer<ffi::S32> a_table, ffi::Buffer<ffi::S32> b_table,
-                              ffi::Buffer<ffi::F32> scale_table, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::AnyBuffer base2, ffi::Buffer<ffi::S32> indices,
+                              ffi::Buffer<ffi::S32> row_adapter, ffi::AnyBuffer a_pool,
+                              ffi::AnyBuffer b_pool, ffi::Buffer<ffi::S32> a_table,
+                              ffi::Buffer<ffi::S32> b_table, ffi::Buffer<ffi::F32> scale_table,
+                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out2,
                               ffi::Result<ffi::AnyBuffer> xa, int64_t top_k, int64_t x_gather,
-                              int64_t has_row_adapter, int64_t variant) {
+                              int64_t has_row_adapter, int64_t dense_tokens,
+                              int64_t dense_experts, int64_t pdl, int64_t variant) {
   Dims d;
   RouteView route;
-  if (auto e = check_gather(x, base, indices, row_adapter, a_pool, b_pool, a_table, b_table,
-                            scale_table, top_k, x_gather, has_row_adapter, &d, &route);
+  int64_t n_slots;
+  if (auto e = check_gather(x, base, base2, indices, row_adapter, a_pool, b_pool, a_table,
+                            b_table, scale_table, top_k, x_gather, has_row_adapter, dense_tokens,
+                            dense_experts, &d, &route, &n_slots);
       e.failure())
     return e;
   DType dtype;
   if (auto e = cuda_dtype(base.element_type(), &dtype); e.failure()) return e;
+  // the second buffer is used (and copied) only when a member's rows live there
+  const bool two = dense_tokens > 0 && route.n_experts > dense_experts;
   GatherArgs args{dtype,
                   x.untyped_data(),
                   out->untyped_data(),
@@ -114,14 +121,19 @@ ffi::Error GatherBgmvCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
                   a_pool.untyped_data(),
                   b_pool.untyped_data(),
                   route,
-                  base.dimensions()[0],
+                  n_slots,
                   d.K,
                   d.N,
                   d.R,
                   top_k,
-                  x_gather != 0};
+                  x_gather != 0,
+                  two ? out2->untyped_data() : nullptr,
+                  dense_tokens,
+                  dense_experts,
+                  pdl != 0};
   return launch_variant("moe_lora_gather_bgmv", variant, args, launch_gather_seed,
-                        launch_gather_fast, base.untyped_data(), base.size_bytes(), true, stream);
+                        launch_gather_fast, base.untyped_data(), base.size_bytes(), true, stream,
+                        base2.untyped_data(), args.out2, two ? base2.size_bytes() : 0);
 }
 
 }  // namespace

@@ -135,7 +135,7 @@ ffi::Error GroupedDownCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
                                ffi::Buffer<ffi::F32> scale_table, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::AnyBuffer> xa, int64_t row_offset,
                                int64_t row_end, int64_t x_gather, int64_t has_row_adapter,
-                               int64_t has_out_rows, int64_t variant) {
+                               int64_t has_out_rows, int64_t pdl, int64_t variant) {
   Dims d;
   RouteView route;
   if (auto e = check_grouped(x, base, expert_offsets, sorted_token_ids, out_rows, a_pool, b_pool,
@@ -169,7 +169,8 @@ ffi::Error GroupedDownCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
                    std::min<int64_t>(te, row_end),
                    x_gather != 0,
                    has_out_rows ? out_rows.typed_data() : nullptr,
-                   base.dimensions()[0]};
+                   base.dimensions()[0],
+                   pdl != 0};
   return launch_variant("moe_lora_grouped_down", variant, args, launch_grouped_seed,
                         launch_grouped_fast, base.untyped_data(), base.size_bytes(),
                         args.row_offset < args.row_end, stream);

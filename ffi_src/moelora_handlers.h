@@ -3,14 +3,24 @@
 // Both ops take the same trailing operands and attributes:
 //
 // moe_lora_gather_bgmv
-//   operands: x [X, K], base_out [n_slots, N], indices int32 [n_slots],
+//   operands: x [X, K], base_out [M, N], base2 [M2, N], indices int32 [n_slots],
 //             row_adapter int32 [num_tokens] (or [1] when has_row_adapter=0),
 //             a_pool [P, R, K], b_pool [P, N, R], a_table int32 [L, E_t],
 //             b_table int32 [L, E_t], scale_table f32 [L, E_t]
-//   results:  out [n_slots, N] (aliases base_out), xa [n_slots, R] (scratch)
-//   attrs:    top_k, x_gather, has_row_adapter, variant (all int64)
+//   results:  out [M, N] (aliases base_out), out2 [M2, N] (aliases base2),
+//             xa [n_slots, R] (scratch)
+//   attrs:    top_k, x_gather, has_row_adapter, dense_tokens, dense_experts,
+//             pdl, variant (all int64)
 //   X = n_slots when x_gather = 0 (row `row` read), n_slots / top_k when
 //   x_gather = 1 (row `row / top_k` read). num_tokens = n_slots / top_k.
+//   Output layout (fold_common.h, gather_out_row): dense_tokens = 0, flat
+//   rows: row `row` folds out row `row` (M = n_slots; base2 unused, [0, N]).
+//   dense_tokens = T > 0, the dense expert layout of MoEBlock's decode path
+//   (jax_moelora/ops/dense_fold.py): num_tokens = T, and row `row` of
+//   (virtual) expert v folds row (v % dense_experts) * T + row / top_k of
+//   out (v < dense_experts) or out2 (a StackedRoute's second member);
+//   M = dense_experts * T, M2 = M when E_t > dense_experts (else unused);
+//   E_t <= 2 * dense_experts. A token's rows must name distinct experts.
 //
 // moe_lora_grouped_down
 //   operands: x [X, K], base_out [M, N], expert_offsets int32 [num_experts+1],
@@ -19,14 +29,17 @@
 //             then the five route arrays as above
 //   results:  out [M, N] (aliases base_out), xa [te, R] (scratch)
 //   attrs:    row_offset, row_end, x_gather, has_row_adapter, has_out_rows,
-//             variant (int64)
+//             pdl, variant (int64)
 //   X = te when x_gather = 0 (row r read), else num_tokens (row
 //   sorted_token_ids[r] read). Only rows in [row_offset, row_end) fold.
 //   Sorted row r reads and writes out row out_rows[r] (has_out_rows = 1;
 //   a value outside [0, M) folds nothing; the rows that fold must target
 //   distinct rows) or row r (has_out_rows = 0, M = te).
 //
-// x, base_out, pools and out share one dtype: bf16, f16 or f32.
+// x, base_out, pools and out share one dtype: bf16, f16 or f32. pdl = 1
+// lets a kernel that follows a plan or shrink kernel of the same call start
+// under programmatic dependent launch (jax_moelora/ops/launch.py); 0, an
+// ordinary launch. Same bits either way.
 #pragma once
 
 #include "xla/ffi/api/ffi.h"

@@ -24,6 +24,7 @@ import _block_cases
 import jax_moelora.nnx.block as block_mod
 from jax_moelora import MoeExpertRoute, StackedRoute
 from jax_moelora.nnx import AdapterPool, DeepSeekV3, MoEBlock, StackedExpertLoRA
+from jax_moelora.ops.dense_fold import fold_dense_experts
 from jax_moelora.peft import PeftAdapter
 
 E, H, I, K, T, L, R = 8, 32, 16, 2, 24, 3, 8
@@ -74,6 +75,22 @@ def split_token_projections(x, bases, topk_ids, route, row_adapter=None, *, impl
                  for s, b in enumerate(bases))
 
 
+def split_dense(x, bases, topk_ids, route, row_adapter=None, **kw):
+    """``fold_dense_experts`` as one fold per projection."""
+    if not isinstance(route, StackedRoute):
+        return fold_dense_experts(x, bases, topk_ids, route, row_adapter, **kw)
+    return tuple(fold_dense_experts(x, (b,), topk_ids, route.route(s), row_adapter, **kw)[0]
+                 for s, b in enumerate(bases))
+
+
+def split_all(mp):
+    """Every fold the block calls, with gate and up folded one by one."""
+    mp.setattr(block_mod, "fold_planned", split_stacked(block_mod.fold_planned))
+    mp.setattr(block_mod, "moe_lora_gather_bgmv", split_stacked(block_mod.moe_lora_gather_bgmv))
+    mp.setattr(block_mod, "fold_token_projections", split_token_projections)
+    mp.setattr(block_mod, "fold_dense_experts", split_dense)
+
+
 def run(block, x, ids, impl):
     graphdef, state = nnx.split(block)
     return np.asarray(jax.jit(lambda s, x, i: nnx.merge(graphdef, s)(x, i, impl=impl))(
@@ -87,10 +104,7 @@ def test_stacked_gate_up_has_the_bits_of_separate_folds(monkeypatch, impl, famil
     with cpu():
         block, _, x, ids = loaded(family, GROUPED[grouped])
         got = run(block, x, ids, impl)
-        monkeypatch.setattr(block_mod, "fold_planned", split_stacked(block_mod.fold_planned))
-        monkeypatch.setattr(block_mod, "moe_lora_gather_bgmv",
-                            split_stacked(block_mod.moe_lora_gather_bgmv))
-        monkeypatch.setattr(block_mod, "fold_token_projections", split_token_projections)
+        split_all(monkeypatch)
         want = run(block, x, ids, impl)
         base = run(block, x, None, impl)
     np.testing.assert_array_equal(got, want)
@@ -142,8 +156,7 @@ def test_separate_folds_lower_to_one_more_call():
     """The counting above sees the difference: gate and up folded one by one
     are two calls."""
     with cpu(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(block_mod, "fold_planned", split_stacked(block_mod.fold_planned))
-        mp.setattr(block_mod, "fold_token_projections", split_token_projections)
+        split_all(mp)
         block, _, x, ids = loaded()
         graphdef, state = nnx.split(block)
         text = jax.jit(lambda s, x, i: nnx.merge(graphdef, s)(x, i, impl="cpu")).lower(

@@ -11,7 +11,8 @@
 //             and up land stacked, the layout the stacked fold reads),
 //             scratch u8 [expert_matmul_scratch_bytes(num_weights * E, sm_count)],
 //             xa [M, R] (the fold's scratch; R the larger route rank, or 1).
-//   attrs:    num_weights (1 or 2), has_lora0, has_lora1, has_row_adapter, sm_count.
+//   attrs:    num_weights (1 or 2), has_lora0, has_lora1, has_row_adapter, sm_count,
+//             pdl (the fold's expand may use programmatic dependent launch).
 //   offsets:  offsets[0] = 0, non-decreasing, offsets[E] <= M (traced jnp builds
 //             them from group_sizes). Row r in [offsets[e], offsets[e+1]) is
 //             round(x[r] @ w[e]); rows r >= offsets[E] are zero. Then each

@@ -33,7 +33,7 @@ ffi::Error ExpertMatmulCudaImpl(
     ffi::Buffer<ffi::S32> bt1, ffi::Buffer<ffi::F32> st1, ffi::Result<ffi::AnyBuffer> out,
     ffi::Result<ffi::AnyBuffer> scratch,
     ffi::Result<ffi::AnyBuffer> xa, int64_t num_weights, int64_t has_lora0, int64_t has_lora1,
-    int64_t has_row_adapter, int64_t sm_count) {
+    int64_t has_row_adapter, int64_t sm_count, int64_t pdl) {
   const auto xd = x.dimensions(), wd = w0.dimensions();
   if (xd.size() != 2 || wd.size() != 3) return invalid("x must be [M, K] and w [E, K, N]");
   const int64_t M = xd[0], K = xd[1], E = wd[0], N = wd[2];
@@ -112,7 +112,8 @@ ffi::Error ExpertMatmulCudaImpl(
                   M,
                   false,
                   nullptr,
-                  M};
+                  M,
+                  pdl != 0};
     err = launch_grouped_fast(f, stream);
   }
   if (err != cudaSuccess) return ffi::Error::Internal(std::string("expert_matmul: ") +
@@ -162,5 +163,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertMatmulCuda, moelora::ExpertMatmulCudaImpl,
                                   .Attr<int64_t>("has_lora0")
                                   .Attr<int64_t>("has_lora1")
                                   .Attr<int64_t>("has_row_adapter")
-                                  .Attr<int64_t>("sm_count"),
+                                  .Attr<int64_t>("sm_count")
+                                  .Attr<int64_t>("pdl"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -225,7 +225,8 @@ __global__ void __launch_bounds__(kPlanThreads) gather_plan_kernel(const GatherA
 // file.
 template <DType D, int RT>
 __device__ __forceinline__ void fold_batch(const DecodeParams& p, char* smem, const int* rows,
-                                           int cnt, int32_t pa, int32_t pb, float scale) {
+                                           int cnt, int expert, int32_t pa, int32_t pb,
+                                           float scale) {
   constexpr int kShrinkUnroll = shrink_unroll<RT>();
   constexpr int UG = RT == 1 ? 4 : (RT == 2 ? 2 : 1);  // 32-column groups a warp loads at once
   const GatherArgs& a = p.a;
@@ -240,12 +241,12 @@ __device__ __forceinline__ void fold_batch(const DecodeParams& p, char* smem, co
   // 3): lane (g, t) holds the B fragments of its n8 tiles and the base_out
   // pieces (columns 8t .. 8t+7 of rows g and g + 8).
   const uint16_t* B = static_cast<const uint16_t*>(a.b_pool) + int64_t(pb) * N * R;
-  uint16_t* out = static_cast<uint16_t*>(a.out);
   const int64_t c0 = int64_t(blockIdx.y) * p.chunk_w, c1 = min(N, c0 + p.chunk_w);
   const int ngroups = int((c1 - c0 + 31) / 32);
   uint16_t* orow[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) orow[h] = g + 8 * h < cnt ? out + int64_t(rows[g + 8 * h]) * N : nullptr;
+  for (int h = 0; h < 2; ++h)
+    orow[h] = g + 8 * h < cnt ? a.out_row<uint16_t>(rows[g + 8 * h], expert) : nullptr;
   uint2 bv[UG][4][RT];
   uint4 ov[UG][2];
   const auto load_groups = [&](int gi0) {
@@ -425,7 +426,7 @@ __global__ void __launch_bounds__(kDecThreads) gather_cells_kernel(const DecodeP
   const float scale = a.route.scale_table[key];
   __syncthreads();
   if (!pair_folds(a, pa, pb)) return;
-  fold_batch<D, RT>(p, smem, s_rows, cnt, pa, pb, scale);
+  fold_batch<D, RT>(p, smem, s_rows, cnt, key % int(a.route.n_experts), pa, pb, scale);
 }
 
 // The self-planned batch kernel (up to kScanMaxRows rows, no plan kernel):
@@ -468,7 +469,7 @@ __global__ void __launch_bounds__(kDecThreads, 2) gather_cells_scan_kernel(const
   for (int b = slice; b * kBatchRows < total; b += p.slices) {
     if (b > slice) __syncthreads();  // the previous batch is done with s_part and s_xa
     fold_batch<D, RT>(p, smem, s_rows + b * kBatchRows, min(kBatchRows, total - b * kBatchRows),
-                      pa, pb, scale);
+                      key % E, pa, pb, scale);
   }
 }
 
@@ -508,7 +509,7 @@ cudaError_t gather_cells_rt(const DecodeParams& p, int plan_bytes, cudaStream_t 
       err != cudaSuccess)
     return err;
   return launch_dependent(kernel, dim3(unsigned(p.max_batches), chunks, 1), kDecThreads, lay.total,
-                          stream, p);
+                          stream, p.a.pdl, p);
 }
 
 // CTAs per cell of the self-planned batch kernel (0: plan it with the plan
@@ -547,7 +548,7 @@ bool gather_cells(const GatherArgs& a, cudaStream_t stream, cudaError_t* err) {
   // batches: at most one per row, at most one per key plus one per full batch
   p.max_batches = int(std::min<int64_t>(a.n_slots, nkeys + (a.n_slots + kBatchRows - 1) / kBatchRows));
   p.chunk_w = decode_chunk_w(a.N, std::min<int64_t>(a.n_slots, nkeys) * std::max(1, p.slices));
-  p.nvec = a.N % 8 == 0 && aligned16(a.out);
+  p.nvec = a.N % 8 == 0 && outs_aligned(a, 16);
   const bool bf16 = a.dtype == DType::kBf16;
   const int pb = int(plan_bytes);
   switch (rank_tiles(int(a.R))) {

@@ -154,13 +154,12 @@ struct ExpandOps {
 // One row of a CTA, its pair resolved by gather_rows_kernel below.
 template <DType D, int RB>
 __device__ __forceinline__ void fold_row(const GatherArgs& a, int64_t row, const Pair& pair,
-                                         int64_t chunk_w, bool nvec,
+                                         uint16_t* orow, int64_t chunk_w, bool nvec,
                                          float (&s_part)[kRowWarps][8 * RB],
                                          float (&s_xa)[8 * RB]) {
   constexpr int R = 8 * RB;
   const int tid = threadIdx.x;
   const int64_t K = a.K, N = a.N;
-  uint16_t* orow = static_cast<uint16_t*>(a.out) + row * N;
   const uint16_t* B = static_cast<const uint16_t*>(a.b_pool) + int64_t(pair.b) * N * R;
   const int64_t c1 = min(N, int64_t(blockIdx.y + 1) * chunk_w);
   int64_t col = int64_t(blockIdx.y) * chunk_w + int64_t(tid) * kRowCols;
@@ -203,6 +202,7 @@ __global__ void __launch_bounds__(kRowThreads, MINB) gather_rows_kernel(const Ga
   __shared__ float s_xa[8 * RB];
   __shared__ Pair s_pair[RPC];
   __shared__ int s_ok[RPC];
+  __shared__ uint16_t* s_orow[RPC];
   const int64_t row0 = int64_t(blockIdx.x) * RPC;
   if (threadIdx.x < RPC) {
     const int64_t row = row0 + threadIdx.x;
@@ -212,11 +212,12 @@ __global__ void __launch_bounds__(kRowThreads, MINB) gather_rows_kernel(const Ga
                     resolve_pair(a.route, l, e, &pair);
     s_pair[threadIdx.x] = pair;
     s_ok[threadIdx.x] = ok;
+    s_orow[threadIdx.x] = ok ? a.out_row<uint16_t>(row, e) : nullptr;
   }
   __syncthreads();
 #pragma unroll 1
   for (int j = 0; j < RPC; ++j)
-    if (s_ok[j]) fold_row<D, RB>(a, row0 + j, s_pair[j], chunk_w, nvec, s_part, s_xa);
+    if (s_ok[j]) fold_row<D, RB>(a, row0 + j, s_pair[j], s_orow[j], chunk_w, nvec, s_part, s_xa);
 }
 
 // The staged rows kernel: a CTA per SM owns a run of consecutive rows and
@@ -249,6 +250,7 @@ __global__ void __launch_bounds__(kRowThreads, 1)
   __shared__ float s_xa[R];
   __shared__ Pair s_pair[kStagedMaxRows];
   __shared__ int64_t s_row[kStagedMaxRows];
+  __shared__ uint16_t* s_orow[kStagedMaxRows];
   __shared__ int s_count[2];
   __shared__ __align__(8) uint64_t s_full[kStagedStages];
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
@@ -260,9 +262,9 @@ __global__ void __launch_bounds__(kRowThreads, 1)
   const int64_t row0 = int64_t(blockIdx.x) * rows_per_cta;
   bool ok = false;
   Pair pair{0, 0, 0.f};
+  int l, e = 0;
   if (tid < kStagedMaxRows) {
     const int64_t row = row0 + tid;
-    int l, e;
     ok = tid < rows_per_cta && row < a.n_slots && gather_row_cell(a, row, &l, &e) &&
          resolve_pair(a.route, l, e, &pair);
   }
@@ -278,6 +280,7 @@ __global__ void __launch_bounds__(kRowThreads, 1)
     const int at = (w == 1 ? s_count[0] : 0) + __popc(mask & ((1u << lane) - 1u));
     s_pair[at] = pair;
     s_row[at] = row0 + tid;
+    s_orow[at] = a.out_row<uint16_t>(row0 + tid, e);
   }
   __syncthreads();
   if (n == 0) return;  // uniform
@@ -300,10 +303,9 @@ __global__ void __launch_bounds__(kRowThreads, 1)
   };
   if (tid == 0)
     for (int i = 0; i < kStagedStages && i < n; ++i) issue(i);
-  uint16_t* out = static_cast<uint16_t*>(a.out);
   uint16_t o_cur[kStagedMaxCols], o_nxt[kStagedMaxCols];
   auto load_o = [&](uint16_t (&o)[kStagedMaxCols], int i) {
-    const uint16_t* orow = out + s_row[i] * N;
+    const uint16_t* orow = s_orow[i];
 #pragma unroll
     for (int m = 0; m < kStagedMaxCols; ++m) {
       const int64_t col = tid + int64_t(m) * kRowThreads;
@@ -324,7 +326,7 @@ __global__ void __launch_bounds__(kRowThreads, 1)
 #pragma unroll
     for (int j = 0; j < R; ++j) xa[j] = s_xa[j];
     const float scale = s_pair[i].scale;
-    uint16_t* orow = out + s_row[i] * N;
+    uint16_t* orow = s_orow[i];
 #pragma unroll
     for (int m = 0; m < kStagedMaxCols; ++m) {
       const int64_t col = tid + int64_t(m) * kRowThreads;
@@ -436,7 +438,7 @@ cudaError_t launch_gather_rows(const GatherArgs& a, cudaStream_t stream) {
   const int64_t chunks0 = std::min<int64_t>({std::max(want, least), quads, 65535});
   const int64_t chunk_w = (quads + chunks0 - 1) / chunks0 * kRowCols;
   const int64_t chunks = (a.N + chunk_w - 1) / chunk_w;
-  const bool nvec = a.N % kRowCols == 0 && aligned8(a.out);
+  const bool nvec = a.N % kRowCols == 0 && outs_aligned(a, 8);
   // Rows per CTA: the most of 4, 2, 1 that still leaves 70 % of a wave of
   // resident CTAs, so that a CTA resolves the routing of several rows at
   // once and runs them back to back without emptying SMs (H200, 4 adapters:

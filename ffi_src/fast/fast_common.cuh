@@ -201,19 +201,27 @@ __device__ __forceinline__ void rank_tile_rows(const int* s_key, int* s_part, in
     s_row[rank] = tid;
   }
   __syncthreads();
-  if (w < 2) {  // segment starts among the folding slots, in slot order
-    const int s = tid;
-    const int key = s_key[s_row[s]];
-    const bool start = key != INT_MAX && (s == 0 || s_key[s_row[s - 1]] != key);
-    const unsigned m = __ballot_sync(0xffffffffu, start);
+  // segment starts among the folding slots, in slot order: warps 0 and 1
+  // (one slot a thread) count them, then write them. Every barrier is the
+  // CTA's: compute-sanitizer's racecheck reports the accesses after a named
+  // barrier of part of the CTA as racing with those after the next
+  // __syncthreads (docs/design.md, "Sanitizers").
+  bool start = false;
+  unsigned m = 0;
+  if (w < 2) {
+    const int key = s_key[s_row[tid]];
+    start = key != INT_MAX && (tid == 0 || s_key[s_row[tid - 1]] != key);
+    m = __ballot_sync(0xffffffffu, start);
     const unsigned live = __ballot_sync(0xffffffffu, key != INT_MAX);
     if (lane == 0) {
       s_misc[2 + w] = __popc(m);
       s_misc[4 + w] = __popc(live);
     }
-    asm volatile("bar.sync 1, 64;" ::: "memory");
+  }
+  __syncthreads();
+  if (w < 2) {
     const int before = w == 0 ? 0 : s_misc[2];
-    if (start) s_seg[before + __popc(m & ((1u << lane) - 1u))] = s;
+    if (start) s_seg[before + __popc(m & ((1u << lane) - 1u))] = tid;
     if (tid == 0) {
       const int n_fold = s_misc[4] + s_misc[5];
       const int n_seg = s_misc[2] + s_misc[3];
@@ -236,6 +244,12 @@ struct GroupedParams {
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 inline bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
+// Whether a gather fold's output buffers (out, and out2 when set) are aligned
+// to `bytes` (a power of two).
+inline bool outs_aligned(const GatherArgs& a, unsigned bytes) {
+  const auto ok = [&](const void* p) { return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0; };
+  return ok(a.out) && (a.out2 == nullptr || ok(a.out2));
+}
 
 inline int sm_count() {
   static int n = [] {
@@ -267,12 +281,16 @@ inline cudaError_t ensure_smem(const void* kernel, int smem_bytes) {
   return cudaSuccess;
 }
 
-// Launch `kernel` with programmatic dependent launch: its CTAs may start
-// while the previous kernel on the stream still runs, so the kernel must
-// execute griddepcontrol.wait before it reads what that kernel writes.
+// Launch `kernel` with programmatic dependent launch when `pdl`: its CTAs
+// may start while the previous kernel on the stream still runs, so the kernel
+// must execute griddepcontrol.wait before it reads what that kernel writes.
+// Without `pdl` it is an ordinary launch (griddepcontrol.wait returns at
+// once): the folds' `pdl` attribute, which compute-sanitizer's racecheck
+// needs off (docs/design.md).
 template <class... Params, class... Args>
 inline cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, int threads,
-                                   int smem_bytes, cudaStream_t stream, const Args&... args) {
+                                   int smem_bytes, cudaStream_t stream, bool pdl,
+                                   const Args&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(unsigned(threads), 1, 1);
@@ -282,7 +300,7 @@ inline cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, int th
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = pdl ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 

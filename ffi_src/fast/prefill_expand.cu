@@ -335,7 +335,7 @@ cudaError_t grouped_expand(const GroupedArgs& a, int64_t lo, int64_t hi, cudaStr
   // the expand's CTAs may start while the shrink runs; griddepcontrol.wait
   // orders their xa reads after it
   return launch_dependent(kernel, dim3(unsigned(tiles), unsigned(groups), 1), kExpThreads,
-                          lay.total, stream, p);
+                          lay.total, stream, a.pdl, p);
 }
 
 }  // namespace

@@ -222,8 +222,7 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_kernel(const GatherArg
   f32_fold_row<RB>(static_cast<const float*>(a.x) + xrow * a.K,
                    static_cast<const float*>(a.a_pool) + int64_t(pair.a) * a.R * a.K,
                    static_cast<const float*>(a.b_pool) + int64_t(pair.b) * a.N * a.R,
-                   pair.scale, a.K, int(a.R), a.N, static_cast<float*>(a.out) + row * a.N, c0,
-                   c1);
+                   pair.scale, a.K, int(a.R), a.N, a.out_row<float>(row, e), c0, c1);
 }
 
 // Long batches (the router's fold at prefill): one CTA per TR consecutive
@@ -236,20 +235,22 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_tiled_kernel(const Gat
   static_assert(TR <= 32 && TR <= kF32Threads, "a tile's rows fit one 32-bit mask");
   __shared__ Pair s_pair[TR];
   __shared__ int s_ok[TR];
+  __shared__ float* s_orow[TR];
   const int tid = threadIdx.x;
   const int64_t r0 = int64_t(blockIdx.x) * TR;
   if (tid < TR) {
     const int64_t row = r0 + tid;
     int l, e;
     Pair pair{};
-    s_ok[tid] = row < a.n_slots && gather_row_cell(a, row, &l, &e) &&
-                resolve_pair(a.route, l, e, &pair);
+    const bool ok = row < a.n_slots && gather_row_cell(a, row, &l, &e) &&
+                    resolve_pair(a.route, l, e, &pair);
+    s_ok[tid] = ok;
     s_pair[tid] = pair;
+    s_orow[tid] = ok ? a.out_row<float>(row, e) : nullptr;
   }
   __syncthreads();
   const int64_t c0 = int64_t(blockIdx.y) * kF32Cols, c1 = min(a.N, c0 + kF32Cols);
   const float* x0 = static_cast<const float*>(a.x);
-  float* out = static_cast<float*>(a.out);
   // every thread walks the same groups (the CTA stays uniform)
   uint32_t todo = 0;
   for (int i = 0; i < TR; ++i) todo |= uint32_t(s_ok[i] != 0) << i;
@@ -269,7 +270,7 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_tiled_kernel(const Gat
       for (int g = 0; g < kF32Group; ++g) {  // xs[n], os[n] with n in registers
         if (g == n) {
           xs[g] = x0 + (a.x_gather ? row / a.top_k : row) * a.K;
-          os[g] = out + row * a.N;
+          os[g] = s_orow[j];
         }
       }
       ++n;

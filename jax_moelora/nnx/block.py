@@ -11,12 +11,14 @@ and shared by the expert folds.
 
 Folds per call with LoRA: the router's (one gather fold); gate and up
 together (one fold of their ``StackedRoute``, ``MoELoRA.gate_up``: they read
-the same rows, so one launch folds both; on flat rows
+the same rows, so one launch folds both; on the dense path of GLU experts
+``fold_dense_experts`` folds the chosen rows inside the dense ``[E, T, I]``
+outputs, before the chosen rows are taken; on other flat rows
 ``fold_token_projections`` interleaves them per token and reads ``x`` in
 place; on sorted rows the experts' ``first_stacked`` hands them over stacked
-``[2, rows, I]``, which ``expert_matmul`` writes in place); down (one fold);
-with shared experts, shared gate and up together and shared down (one gather
-fold each).
+``[2, rows, I]``, which ``expert_matmul`` writes in place); down (one fold,
+in the dense ``[E, T, H]`` output on the dense path); with shared experts,
+shared gate and up together and shared down (one gather fold each).
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ from jax_moelora.nnx.experts import (
     GptOssExperts,
     SharedExperts,
     default_expert_init,
+    take_slots,
 )
 from jax_moelora.nnx.families import MoEFamily, family_config
 from jax_moelora.nnx.lora import MoELoRA, MoELoRARoutes, default_a_initializer
 from jax_moelora.nnx.routers import Router
+from jax_moelora.ops.dense_fold import fold_dense_experts
 from jax_moelora.ops.folds import (
     GATHER_MAX_ROWS,
     fold_planned,
@@ -209,6 +213,10 @@ class MoEBlock(nnx.Module):
                          num_adapters=self.lora.max_loras if routes is not None else 0)
         rows = ExpertRows.make(plan, self._path(plan.grouped), self.num_experts,
                                self.expert_gemm)
+        if (routes is not None and rows.path == "dense" and not plan.grouped
+                and isinstance(self.experts, GluExperts)):
+            d = self._routed_dense(x, topk_ids, adapter_ids, routes, impl)
+            return jnp.einsum("tk,tkh->th", weights, d.reshape(t, k, -1).astype(jnp.float32))
         # gate and up with LoRA: one fold of their stacked route
         if routes is not None and plan.grouped:  # sorted rows, stacked [2, rows, I]
             gu = fold_planned(x, self.experts.first_stacked(x, rows), plan, routes.gate_up,
@@ -225,6 +233,20 @@ class MoEBlock(nnx.Module):
             d = fold_planned(h, d, plan, routes.down, adapter_ids, x_gather=0, impl=impl)
         d = plan.to_flat_order(d)
         return jnp.einsum("tk,tkh->th", weights, d.reshape(t, k, -1).astype(jnp.float32))
+
+    def _routed_dense(self, x: Array, topk_ids: Array, adapter_ids: Array,
+                      routes: MoELoRARoutes, impl: str) -> Array:
+        """The dense path of GLU experts with LoRA: the folds write the dense
+        outputs ``[E, T, N]`` in place (``fold_dense_experts``), and the
+        chosen rows are taken after them, as without LoRA. Returns the down
+        rows ``[T * top_k, H]`` in flat order."""
+        experts = self.experts
+        g_all, u_all = fold_dense_experts(x, experts.first_all(x), topk_ids, routes.gate_up,
+                                          adapter_ids, x_gather=1, impl=impl)
+        h = experts.activation(take_slots(g_all, topk_ids), take_slots(u_all, topk_ids))
+        (d_all,) = fold_dense_experts(h, (experts.down_all(h, topk_ids),), topk_ids, routes.down,
+                                      adapter_ids, x_gather=0, impl=impl)
+        return take_slots(d_all, topk_ids)
 
     def shared(self, x: Array, adapter_ids: Array | None, routes: MoELoRARoutes | None,
                impl: str) -> Array:

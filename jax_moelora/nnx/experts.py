@@ -38,8 +38,9 @@ from jax_moelora.ops.expert_matmul import uses_kernel
 from jax_moelora.ops.folds import RowPlan, plan_rows
 
 __all__ = ["EXPERT_GEMMS", "ExpertGemm", "ExpertPath", "ExpertRows", "GluExperts",
-           "GptOssExperts", "SharedExperts", "default_expert_init", "expert_matmul",
-           "expert_matmul_pair", "grouped_gemm_runs_kernel"]
+           "GptOssExperts", "SharedExperts", "default_expert_init", "dense_all_rows",
+           "dense_all_tokens", "expert_matmul", "expert_matmul_pair",
+           "grouped_gemm_runs_kernel", "take_slots"]
 
 Array = jax.Array
 ExpertPath = Literal["dense", "ragged"]
@@ -91,25 +92,41 @@ def _take_slots(all_out: Array, topk_ids: Array) -> Array:
     return all_out[topk_ids, jnp.arange(t)[:, None]].reshape(t * k, -1)
 
 
-def _dense_tokens(x: Array, w: Array, topk_ids: Array) -> Array:
-    """Every expert on every token ``x [T, K]``, then the chosen ones: ``[T * k, N]``.
+def take_slots(all_out: Array, topk_ids: Array) -> Array:
+    """``all_out [E, T, N]`` -> flat rows ``[T * k, N]`` of the chosen experts."""
+    return _take_slots(all_out, topk_ids)
+
+
+def dense_all_tokens(x: Array, w: Array) -> Array:
+    """Every expert on every token ``x [T, K]``: ``[E, T, N]``.
 
     Written as a matmul batched over experts (``x`` broadcast), so ``w
     [E, K, N]`` is read in place: the unbatched ``"tk,ekn->ten"`` makes XLA
     transpose the whole weight on every call."""
     xb = jnp.broadcast_to(x[None], (w.shape[0],) + x.shape)
-    return _take_slots(jnp.einsum("etk,ekn->etn", xb, w), topk_ids)
+    return jnp.einsum("etk,ekn->etn", xb, w)
 
 
-def _dense_rows(h: Array, w: Array, topk_ids: Array) -> Array:
-    """Flat per-row inputs ``h [T * k, K]`` through their own expert: ``[T * k, N]``.
+def dense_all_rows(h: Array, w: Array, topk_ids: Array) -> Array:
+    """Flat per-row inputs ``h [T * k, K]`` through their own expert, as rows
+    ``(e, t)`` of ``[E, T, N]`` (rows of experts a token did not choose: zero).
 
     Rows are scattered to ``[E, T, K]`` (zeros elsewhere: a token's top-k
     experts are distinct) and multiplied expert by expert."""
     t, k = topk_ids.shape
     scat = jnp.zeros((w.shape[0], t, h.shape[-1]), h.dtype)
     scat = scat.at[topk_ids, jnp.arange(t)[:, None]].set(h.reshape(t, k, -1))
-    return _take_slots(jnp.einsum("etk,ekn->etn", scat, w), topk_ids)
+    return jnp.einsum("etk,ekn->etn", scat, w)
+
+
+def _dense_tokens(x: Array, w: Array, topk_ids: Array) -> Array:
+    """Every expert on every token ``x [T, K]``, then the chosen ones: ``[T * k, N]``."""
+    return _take_slots(dense_all_tokens(x, w), topk_ids)
+
+
+def _dense_rows(h: Array, w: Array, topk_ids: Array) -> Array:
+    """Flat per-row inputs ``h [T * k, K]`` through their own expert: ``[T * k, N]``."""
+    return _take_slots(dense_all_rows(h, w, topk_ids), topk_ids)
 
 
 def grouped_gemm_runs_kernel(dtype: Any, k: int, n: int) -> bool:
@@ -237,6 +254,13 @@ class GluExperts(nnx.Module):
                                       self.up_proj[...].astype(self.dtype)), rows, x_gather=True,
                                   stacked=True)
 
+    def first_all(self, x: Array) -> tuple[Array, Array]:
+        """Tokens ``x [T, H]`` -> base gate and up of every expert on every
+        token, ``[E, T, I]`` each (the dense path's layout before the chosen
+        rows are taken)."""
+        return (dense_all_tokens(x, self.gate_proj[...].astype(self.dtype)),
+                dense_all_tokens(x, self.up_proj[...].astype(self.dtype)))
+
     def activation(self, g: Array, u: Array) -> Array:
         """``silu(g) * u`` in float32, rounded once to the activation dtype (so
         the result does not depend on how XLA fuses the elementwise ops)."""
@@ -245,6 +269,11 @@ class GluExperts(nnx.Module):
     def down(self, h: Array, rows: ExpertRows) -> Array:
         """Rows ``h [T * top_k, I]`` -> base down rows ``[T * top_k, H]``."""
         return expert_matmul(h, self.down_proj[...].astype(self.dtype), rows, x_gather=False)
+
+    def down_all(self, h: Array, topk_ids: Array) -> Array:
+        """Flat rows ``h [T * top_k, I]`` -> base down ``[E, T, H]`` (row ``(e, t)``
+        of a chosen expert; zero elsewhere), the dense path's layout."""
+        return dense_all_rows(h, self.down_proj[...].astype(self.dtype), topk_ids)
 
 
 class GptOssExperts(nnx.Module):

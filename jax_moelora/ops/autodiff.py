@@ -50,12 +50,13 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_moelora.ops import batching, jnp_fold
+from jax_moelora.ops import batching, jnp_fold, launch
 from jax_moelora.ops.batching import GatherCfg, GroupedCfg
 from jax_moelora.ops.jnp_fold import rounded
 from jax_moelora.tables import MoeExpertRoute
 
-__all__ = ["gather_bgmv", "grouped_down", "backward_mode", "tile_rows", "fold_rows_vjp"]
+__all__ = ["gather_bgmv", "grouped_down", "backward_mode", "tile_rows", "fold_rows_vjp",
+           "gather_fold_vjp"]
 
 _HI = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
@@ -220,25 +221,34 @@ def _gather_rows(cfg: GatherCfg, indices, route, row_adapter):
     return (tok if cfg.x_gather else rows), cell, ok
 
 
-@functools.cache
-def _gather_vjp(cfg: GatherCfg):
-    op = batching.gather_op(cfg)
+def gather_fold_vjp(op, cfg: GatherCfg, rows_cotangent=None):
+    """``op(x, base, indices, route, row_adapter)``, a gather fold of flat rows
+    configured by ``cfg``, with its ``custom_vjp``. ``base`` is any pytree of
+    the folded outputs; ``rows_cotangent(g, indices)`` gives each flat row's
+    cotangent ``[n_slots, N]`` from the outputs' ``g`` (default: ``g`` itself,
+    ``base`` being the flat rows). ``base``'s cotangent is ``g``."""
 
     @jax.custom_vjp
-    def fold(x, base_out, indices, route, row_adapter):
-        return op(x, base_out, indices, route, row_adapter)
+    def fold(x, base, indices, route, row_adapter):
+        return op(x, base, indices, route, row_adapter)
 
-    def fwd(x, base_out, indices, route, row_adapter):
-        return op(x, base_out, indices, route, row_adapter), (x, indices, route, row_adapter)
+    def fwd(x, base, indices, route, row_adapter):
+        return op(x, base, indices, route, row_adapter), (x, indices, route, row_adapter)
 
     def bwd(res, g):
         x, indices, route, row_adapter = res
         xi, cell, ok = _gather_rows(cfg, indices, route, row_adapter)
-        dx, da, db, ds = fold_rows_vjp(x, route, g, xi, cell, ok)
+        g_rows = g if rows_cotangent is None else rows_cotangent(g, indices)
+        dx, da, db, ds = fold_rows_vjp(x, route, g_rows, xi, cell, ok)
         return dx, g, None, _route_ct(route, da, db, ds), None
 
     fold.defvjp(fwd, bwd)
     return fold
+
+
+@functools.cache
+def _gather_vjp(cfg: GatherCfg):
+    return gather_fold_vjp(batching.gather_op(cfg), cfg)
 
 
 def gather_bgmv(x, base_out, indices, route: MoeExpertRoute, row_adapter, *, top_k: int,
@@ -247,7 +257,8 @@ def gather_bgmv(x, base_out, indices, route: MoeExpertRoute, row_adapter, *, top
     resolved, ``indices`` int32); see ``folds.moe_lora_gather_bgmv``."""
     route = jax.tree_util.tree_map(jnp.asarray, route)  # NumPy tables: index with tracers
     args = batching.match_varying((x, base_out, indices, route, row_adapter))
-    return _gather_vjp(GatherCfg(top_k, x_gather, impl))(*args)
+    cfg = GatherCfg(top_k, x_gather, impl, launch.programmatic_launch_enabled())
+    return _gather_vjp(cfg)(*args)
 
 
 # ---- grouped fold ---------------------------------------------------------------------------
@@ -298,7 +309,7 @@ def grouped_down(x, base_out, expert_offsets, sorted_token_ids, route: MoeExpert
     """Differentiable, vmappable grouped fold on validated inputs (non-empty
     window, ``impl`` resolved); see ``folds.moe_lora_grouped_down`` and, for
     ``out_rows`` (sorted row -> ``base_out`` row, or ``None``), ``folds._grouped_down``."""
-    cfg = GroupedCfg(row_offset, row_end, x_gather, impl)
+    cfg = GroupedCfg(row_offset, row_end, x_gather, impl, launch.programmatic_launch_enabled())
     route = jax.tree_util.tree_map(jnp.asarray, route)
     args = batching.match_varying((x, base_out, expert_offsets, sorted_token_ids, route,
                                    row_adapter, out_rows))

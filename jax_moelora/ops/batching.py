@@ -52,6 +52,7 @@ class GatherCfg(NamedTuple):
     top_k: int
     x_gather: int
     impl: str  # "auto" (picked per lowering platform) or a concrete backend
+    pdl: bool = True  # programmatic dependent launch (ops/launch.py)
 
 
 class GroupedCfg(NamedTuple):
@@ -61,6 +62,7 @@ class GroupedCfg(NamedTuple):
     row_end: int
     x_gather: int
     impl: str  # "auto" (picked per lowering platform) or a concrete backend
+    pdl: bool = True  # programmatic dependent launch (ops/launch.py)
 
 
 def varying_axes(v) -> frozenset:
@@ -122,7 +124,8 @@ def _gather_impl(cfg: GatherCfg, x, base_out, indices, route, row_adapter):
         return jnp_fold.gather_bgmv_jnp(x, base_out, indices, route, row_adapter,
                                         top_k=cfg.top_k, x_gather=cfg.x_gather)
     args = match_varying((x, base_out, indices, route, row_adapter), floats_only=False)
-    out = ffi_fold.gather_bgmv_ffi(*args, top_k=cfg.top_k, x_gather=cfg.x_gather, impl=cfg.impl)
+    out = ffi_fold.gather_bgmv_ffi(*args, top_k=cfg.top_k, x_gather=cfg.x_gather, impl=cfg.impl,
+                                   pdl=cfg.pdl)
     return _typed_like(out, args)
 
 
@@ -138,7 +141,7 @@ def _grouped_impl(cfg: GroupedCfg, x, base_out, expert_offsets, sorted_token_ids
                                          row_adapter, out_rows, **kw)
     args = match_varying((x, base_out, expert_offsets, sorted_token_ids, route, row_adapter,
                           out_rows), floats_only=False)
-    out = ffi_fold.grouped_down_ffi(*args, impl=cfg.impl, **kw)
+    out = ffi_fold.grouped_down_ffi(*args, impl=cfg.impl, pdl=cfg.pdl, **kw)
     return _typed_like(out, args)
 
 

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moelora import _ext
-from jax_moelora.ops import autodiff, expert_matmul_ffi
+from jax_moelora.ops import autodiff, expert_matmul_ffi, launch
 from jax_moelora.ops.folds import resolve_impl
 from jax_moelora.ops.jnp_fold import rounded
 from jax_moelora.tables import FLOAT_DTYPES, MoeExpertRoute
@@ -156,6 +156,7 @@ def _routes(lora, pair: bool, dtype, E: int, K: int, N: int) -> tuple[Any, ...]:
 class _Cfg(NamedTuple):
     impl: str          # "jnp", "cpu" or "fast" (resolved)
     has_ra: bool       # a row-adapter map is passed
+    pdl: bool = True   # programmatic dependent launch of the fold (ops/launch.py)
 
 
 def _ragged(xs, w, offsets):
@@ -187,7 +188,7 @@ def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra):
     """``[len(ws), M, N]``: weight set ``i``'s folded output is plane ``i``."""
     ra = ra if cfg.has_ra else None
     if cfg.impl == "fast" and uses_kernel(xs.dtype, ws[0].shape[1], ws[0].shape[2]):
-        return expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes, ra)
+        return expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes, ra, cfg.pdl)
     fold_impl = "cpu" if cfg.impl == "cpu" else ("fast" if cfg.impl == "fast" else "jnp")
     return jnp.stack([_fold(fold_impl, xs, _ragged(xs, w, offsets), offsets, stids, r, ra)
                       for w, r in zip(ws, routes)])
@@ -337,7 +338,7 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
     ra = row_adapter if (has_lora and row_adapter is not None) else None
     offsets = expert_offsets(group_sizes, M)
     routes = tuple(None if r is None else jax.tree_util.tree_map(jnp.asarray, r) for r in routes)
-    cfg = _Cfg(impl, ra is not None)
+    cfg = _Cfg(impl, ra is not None, launch.programmatic_launch_enabled())
     ra_arg = ra if ra is not None else jnp.zeros((1,), jnp.int32)
     out = _op(cfg)(xs, tuple(ws), offsets, stids, routes, ra_arg)  # [len(ws), M, N]
     if not pair:

@@ -62,7 +62,7 @@ def _route_operands(route: MoeExpertRoute | None, dtype) -> tuple:
     return (route.a_pool, route.b_pool, route.a_table, route.b_table, route.scale_table)
 
 
-def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter):
+def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter, pdl: bool = True):
     """One custom call: the grouped GEMM of each weight set in ``ws`` (one or
     two ``[E, K, N]``) over ``xs [M, K]``, each output folded with its route.
     Returns ``[len(ws), M, N]``: weight set ``i``'s output is plane ``i``."""
@@ -86,5 +86,6 @@ def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter):
         xs, offsets, ws[0], w1, stids, ra, *r0, *r1,
         num_weights=np.int64(nw), has_lora0=np.int64(routes[0] is not None),
         has_lora1=np.int64(nw > 1 and routes[1] is not None),
-        has_row_adapter=np.int64(row_adapter is not None), sm_count=np.int64(sm))
+        has_row_adapter=np.int64(row_adapter is not None), sm_count=np.int64(sm),
+        pdl=np.int64(pdl))
     return out

@@ -23,34 +23,50 @@ def _optional_operand(v):
     return v, 1
 
 
-def _call(target, base_out, route: MoeExpertRoute, operands, rows: int, **attrs):
-    """The custom call; ``rows``: the folded rows, one row of the xa scratch each."""
+def _call(target, base_outs, route: MoeExpertRoute, operands, rows: int, pdl: bool, **attrs):
+    """The custom call; ``base_outs``: the operands (indices into
+    ``operands``) each result aliases, in result order; ``rows``: the folded
+    rows, one row of the xa scratch each. Returns the folded results."""
     _ext.register()
-    out_types = (jax.ShapeDtypeStruct(base_out.shape, base_out.dtype),
-                 jax.ShapeDtypeStruct((rows, route.max_rank), base_out.dtype))
+    out_types = tuple(jax.ShapeDtypeStruct(operands[i].shape, operands[i].dtype)
+                      for i in base_outs)
+    out_types += (jax.ShapeDtypeStruct((rows, route.max_rank), operands[base_outs[0]].dtype),)
     # Batching is ops/batching.py's custom_vmap (one launch over the flattened
     # rows); "sequential" only backs a vmap that would bypass it.
-    call = jax.ffi.ffi_call(target, out_types, input_output_aliases={1: 0},
-                            vmap_method="sequential")
-    out, _xa = call(*operands, route.a_pool, route.b_pool, route.a_table, route.b_table,
-                    route.scale_table, **{k: np.int64(v) for k, v in attrs.items()})
-    return out
+    call = jax.ffi.ffi_call(target, out_types, vmap_method="sequential",
+                            input_output_aliases={i: j for j, i in enumerate(base_outs)})
+    outs = call(*operands, route.a_pool, route.b_pool, route.a_table, route.b_table,
+                route.scale_table, pdl=np.int64(pdl),
+                **{k: np.int64(v) for k, v in attrs.items()})
+    return outs[:-1]
 
 
 def gather_bgmv_ffi(x, base_out, indices, route, row_adapter, *, top_k: int, x_gather: int,
-                    impl: str):
+                    impl: str, pdl: bool = True, base2=None, dense_tokens: int = 0,
+                    dense_experts: int = 0):
+    """The gather custom call. Flat layout (``dense_tokens == 0``): returns
+    ``base_out`` folded. Dense expert layout (``ops/dense_fold.py``): returns
+    ``(base_out, base2)`` folded (``base2``: the second member's
+    ``[dense_experts * dense_tokens, N]``, or ``None`` for one member)."""
     ra, has_ra = _optional_operand(row_adapter)
-    return _call(_ext.GATHER_BGMV_TARGET, base_out, route,
-                 (x, base_out, indices, ra), base_out.shape[0], top_k=top_k, x_gather=x_gather,
-                 has_row_adapter=has_ra, variant=VARIANTS[impl])
+    b2 = base2 if base2 is not None else jnp.zeros((0, base_out.shape[1]), base_out.dtype)
+    out, out2 = _call(_ext.GATHER_BGMV_TARGET, (1, 2), route,
+                      (x, base_out, b2, indices, ra), indices.shape[0], top_k=top_k,
+                      pdl=pdl, x_gather=x_gather, has_row_adapter=has_ra, dense_tokens=dense_tokens,
+                      dense_experts=dense_experts, variant=VARIANTS[impl])
+    if dense_tokens == 0:
+        return out
+    return out, (out2 if base2 is not None else None)
 
 
 def grouped_down_ffi(x, base_out, expert_offsets, sorted_token_ids, route, row_adapter,
-                     out_rows=None, *, row_offset: int, row_end: int, x_gather: int, impl: str):
+                     out_rows=None, *, row_offset: int, row_end: int, x_gather: int, impl: str,
+                     pdl: bool = True):
     ra, has_ra = _optional_operand(row_adapter)
     orows, has_orows = _optional_operand(out_rows)
-    return _call(_ext.GROUPED_DOWN_TARGET, base_out, route,
-                 (x, base_out, expert_offsets, sorted_token_ids, ra, orows),
-                 sorted_token_ids.shape[0], row_offset=row_offset, row_end=row_end,
-                 x_gather=x_gather, has_row_adapter=has_ra, has_out_rows=has_orows,
-                 variant=VARIANTS[impl])
+    (out,) = _call(_ext.GROUPED_DOWN_TARGET, (1,), route,
+                   (x, base_out, expert_offsets, sorted_token_ids, ra, orows),
+                   sorted_token_ids.shape[0], pdl=pdl, row_offset=row_offset, row_end=row_end,
+                   x_gather=x_gather, has_row_adapter=has_ra, has_out_rows=has_orows,
+                   variant=VARIANTS[impl])
+    return out
