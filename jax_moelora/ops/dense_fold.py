@@ -41,9 +41,10 @@ class DenseCfg(NamedTuple):
 
 
 def _targets(cfg: DenseCfg, indices):
-    """Per flat row: its member (0 or 1), its row of that member's flattened
-    ``[E * T, N]`` (clamped) and whether it has one (a (virtual) expert in
-    ``[0, S * E)``)."""
+    """Per flat row: its member (0 for a (virtual) expert in ``[0, E)``, 1
+    from ``E`` on), its row of that member's flattened ``[E * T, N]``
+    (clamped) and whether its expert id is ``>= 0``. A row whose member has
+    no base (ids ``>= S * E``) names no route expert and folds nothing."""
     E, T = cfg.experts, cfg.tokens
     rows = jnp.arange(indices.shape[0], dtype=jnp.int32)
     tok = rows // cfg.gather.top_k
@@ -177,8 +178,6 @@ def fold_dense_experts(x: jax.Array, bases: tuple[jax.Array, ...], topk_ids: jax
     if S > 1:
         ids = virtual_ids(ids[:, None, :], jnp.arange(S, dtype=jnp.int32)[None, :, None], E)
         route = route.virtual()
-    else:
-        ids = jnp.where((ids >= 0) & (ids < E), ids, -1)
     cfg = DenseCfg(GatherCfg(S * k, x_gather, impl, launch.programmatic_launch_enabled()), E, T)
     route = jax.tree_util.tree_map(jnp.asarray, route)
     args = match_varying((x, bases, ids.reshape(-1), route, row_adapter))
