@@ -126,7 +126,9 @@ struct GatherArgs {
   bool pdl;  // kernels after a plan kernel may use programmatic dependent launch
 
   // The first element of the output row of flat row `row` folding with
-  // (virtual) expert `expert` (element type T).
+  // (virtual) expert `expert` (element type T). The flat layout returns
+  // before the token is computed: a 64-bit division there cost the router's
+  // f32 kernel a third of its registers and 40 % of its time.
   template <class T>
   __host__ __device__ __forceinline__ T* out_row(int64_t row, int64_t expert) const {
     if (dense_tokens == 0) return static_cast<T*>(out) + row * N;

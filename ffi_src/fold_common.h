@@ -111,6 +111,13 @@ MOELORA_HD bool grouped_out_row(const int32_t* out_rows, int64_t m, int64_t row,
   return o >= 0 && o < m;
 }
 
+// Whether a gather fold writes rows into its second buffer: the dense expert
+// layout with more (virtual) experts than one buffer holds.
+MOELORA_HD bool gather_uses_out2(int64_t n_experts, int64_t dense_tokens,
+                                 int64_t dense_experts) {
+  return dense_tokens > 0 && n_experts > dense_experts;
+}
+
 // The output row of a gather fold's flat row `row` (token `token`) that folds
 // with (virtual) expert `expert`, in [0, n_experts). Flat layout
 // (dense_tokens == 0): row `row` of buffer 0. Dense expert layout: buffer

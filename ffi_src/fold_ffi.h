@@ -77,7 +77,7 @@ inline ffi::Error check_gather(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBu
       return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: indices and base_out rows differ");
   } else {
     const auto bd = base.dimensions(), b2 = base2.dimensions();
-    const bool two = route->n_experts > dense_experts;
+    const bool two = gather_uses_out2(route->n_experts, dense_tokens, dense_experts);
     if (dense_tokens < 0 || dense_experts < 1 || n_slots / top_k != dense_tokens ||
         bd[0] != dense_experts * dense_tokens || route->n_experts > 2 * dense_experts ||
         (two && (b2.size() != 2 || b2[0] != bd[0] || b2[1] != bd[1] ||

@@ -138,7 +138,7 @@ void gather_impl(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuffer base2, in
                  int64_t dense_experts, ffi::Result<ffi::AnyBuffer> out,
                  ffi::Result<ffi::AnyBuffer> out2, ffi::Result<ffi::AnyBuffer> xa) {
   FoldBuffers<C> buf(x, base, a_pool, b_pool, out, xa, d);
-  if (dense_tokens > 0 && route.n_experts > dense_experts) {  // a member's rows in base2
+  if (gather_uses_out2(route.n_experts, dense_tokens, dense_experts)) {
     buf.out2 = static_cast<typename C::T*>(out2->untyped_data());
     copy_unaliased(base2, buf.out2);
   }

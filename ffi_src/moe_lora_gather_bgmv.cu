@@ -110,7 +110,7 @@ ffi::Error GatherBgmvCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
   DType dtype;
   if (auto e = cuda_dtype(base.element_type(), &dtype); e.failure()) return e;
   // the second buffer is used (and copied) only when a member's rows live there
-  const bool two = dense_tokens > 0 && route.n_experts > dense_experts;
+  const bool two = gather_uses_out2(route.n_experts, dense_tokens, dense_experts);
   GatherArgs args{dtype,
                   x.untyped_data(),
                   out->untyped_data(),

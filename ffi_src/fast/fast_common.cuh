@@ -285,8 +285,7 @@ inline cudaError_t ensure_smem(const void* kernel, int smem_bytes) {
 // may start while the previous kernel on the stream still runs, so the kernel
 // must execute griddepcontrol.wait before it reads what that kernel writes.
 // Without `pdl` it is an ordinary launch (griddepcontrol.wait returns at
-// once): the folds' `pdl` attribute, which compute-sanitizer's racecheck
-// needs off (docs/design.md).
+// once): the folds' `pdl` attribute (jax_moelora/ops/launch.py).
 template <class... Params, class... Args>
 inline cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, int threads,
                                    int smem_bytes, cudaStream_t stream, bool pdl,

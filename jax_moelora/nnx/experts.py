@@ -86,15 +86,10 @@ class ExpertRows(NamedTuple):
         return self.plan.row_experts()
 
 
-def _take_slots(all_out: Array, topk_ids: Array) -> Array:
+def take_slots(all_out: Array, topk_ids: Array) -> Array:
     """``all_out [E, T, N]`` -> flat rows ``[T * k, N]`` of the chosen experts."""
     t, k = topk_ids.shape
     return all_out[topk_ids, jnp.arange(t)[:, None]].reshape(t * k, -1)
-
-
-def take_slots(all_out: Array, topk_ids: Array) -> Array:
-    """``all_out [E, T, N]`` -> flat rows ``[T * k, N]`` of the chosen experts."""
-    return _take_slots(all_out, topk_ids)
 
 
 def dense_all_tokens(x: Array, w: Array) -> Array:
@@ -121,12 +116,12 @@ def dense_all_rows(h: Array, w: Array, topk_ids: Array) -> Array:
 
 def _dense_tokens(x: Array, w: Array, topk_ids: Array) -> Array:
     """Every expert on every token ``x [T, K]``, then the chosen ones: ``[T * k, N]``."""
-    return _take_slots(dense_all_tokens(x, w), topk_ids)
+    return take_slots(dense_all_tokens(x, w), topk_ids)
 
 
 def _dense_rows(h: Array, w: Array, topk_ids: Array) -> Array:
     """Flat per-row inputs ``h [T * k, K]`` through their own expert: ``[T * k, N]``."""
-    return _take_slots(dense_all_rows(h, w, topk_ids), topk_ids)
+    return take_slots(dense_all_rows(h, w, topk_ids), topk_ids)
 
 
 def grouped_gemm_runs_kernel(dtype: Any, k: int, n: int) -> bool:
