@@ -13,7 +13,8 @@
 #        differential fuzzing with FUZZ examples per test, default 100, on FUZZ_N
 #        workers within FUZZ_S seconds; sanall: SANALL_TOOLS, default "memcheck
 #        racecheck initcheck synccheck", over the whole GPU-marked suite in
-#        SANALL_N pytest --shard processes per tool (default 4), every tool at
+#        SANALL_N pytest --shard processes per tool (default 4; SANALL_SHARDS:
+#        the shard numbers this call runs, default all, to split a run over calls), every tool at
 #        once, within SANALL_S seconds (default 480), every
 #        kernel checked, or those whose names match the regex SANALL_KERNELS;
 #        SANALL_OPTS: more compute-sanitizer options; SAN_XLA_FLAGS: more XLA
@@ -105,17 +106,17 @@ if has sanall; then  # every GPU-marked test under each tool, SANALL_N shards a 
   # sees. initcheck skips host-API copies: XLA's own device-to-device copies
   # move buffers it has not initialised (the fold handlers copy only their
   # base_out input); it needs every kernel tracked (no SANALL_KERNELS), or the
-  # buffers XLA's kernels write look uninitialised. compute-sanitizer 2025
-  # (CUDA 13.0) has crashed (SIGSEGV) in some runs, e.g. in the block's CUTLASS
-  # GEMM gradients, and not in others (docs/perf_log.md): san_shard logs such a
-  # test and goes on. SANALL_OPTS: more compute-sanitizer options.
+  # buffers XLA's kernels write look uninitialised. XLA compiles each program
+  # as one module (compute-sanitizer 2025.3 crashes in programs compiled in
+  # parallel pieces); should the tool still crash, san_shard logs the test
+  # and goes on. SANALL_OPTS: more compute-sanitizer options.
   tools=${SANALL_TOOLS:-memcheck racecheck initcheck synccheck}; n=${SANALL_N:-4}
   step "sanall: $tools, $n shards each"
   for tool in $tools; do
     opts=(--tool "$tool" --print-limit 20 ${SANALL_OPTS:-})
     [ -n "${SANALL_KERNELS:-}" ] && opts+=(--kernel-name "regex=$SANALL_KERNELS")
     [ "$tool" = initcheck ] && opts+=(--check-api-memory-access no)
-    for i in $(seq 0 $((n - 1))); do
+    for i in ${SANALL_SHARDS:-$(seq 0 $((n - 1)))}; do
       san_shard "$R/sanall_${tool}_$i.log" "${SANALL_S:-480}" "${opts[@]}" -- --shard "$i/$n" \
         ${SANALL_FILES:-} ${SANALL_K:+-k "$SANALL_K"} &
     done

@@ -3,14 +3,17 @@
 # SECONDS, output appended to LOG. When the tool crashes (SIGSEGV) the running
 # test is logged on a line of its own as "CRASHED <id>" and the run resumes
 # without it and the tests already done. XLA's command buffers are off, so
-# every kernel is a plain launch the tool sees; SAN_XLA_FLAGS adds XLA flags
-# (e.g. to try other lowerings of the programs the tool crashes in). Sourced by device_check.sh;
+# every kernel is a plain launch the tool sees, and XLA compiles each program
+# as one module: compute-sanitizer 2025.3 crashes (SIGSEGV) in programs that
+# XLA compiles in parallel pieces, the larger ones such as the block's
+# backward passes (docs/design.md, "Sanitizers"). SAN_XLA_FLAGS adds XLA
+# flags. Sourced by device_check.sh;
 # tests/test_device_check.py runs it with a stand-in tool.
 san_shard() {
   local log=$1 end=$(( $(date +%s) + $2 )); shift 2; local san=() py=() skip=() t
   while [ "$1" != -- ]; do san+=("$1"); shift; done; shift; py=("$@")
   while [ "$(date +%s)" -lt "$end" ]; do
-    XLA_FLAGS="--xla_gpu_enable_command_buffer= ${SAN_XLA_FLAGS:-}" timeout $(( end - $(date +%s) )) \
+    XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_force_compilation_parallelism=1 ${SAN_XLA_FLAGS:-}" timeout $(( end - $(date +%s) )) \
       compute-sanitizer "${san[@]}" python3 -m pytest -v -p no:cacheprovider -m gpu "${py[@]}" \
       "${skip[@]}" >> "$log" 2>&1
     [ $? -eq 139 ] || break
