@@ -25,7 +25,7 @@ IMPLS = backends()["impls"]
 E, T, K_TOP, L = 6, 24, 3, 3
 
 
-def _case(rng, dtype, members: int, k_in: int = 64, n_out: int = 40):
+def _case(rng, dtype, members: int, k_in: int = 64, n_out: int = 40, E: int = E, T: int = T):
     routes = [make_route(rng, dtype=dtype, num_loras=L, n_experts=E, k_in=k_in, n_out=n_out,
                          pool_size=40, poison=False) for _ in range(members)]
     ids = np.stack([rng.permutation(E)[:K_TOP] for _ in range(T)]).astype(np.int32)
@@ -37,18 +37,19 @@ def _case(rng, dtype, members: int, k_in: int = 64, n_out: int = 40):
 
 def _flat(base, ids):
     """Rows ``(ids[t, k], t)`` of ``base [E, T, N]`` as flat rows (ids clamped)."""
-    return base[np.clip(ids, 0, E - 1), np.arange(ids.shape[0])[:, None]].reshape(
+    return base[np.clip(ids, 0, base.shape[0] - 1), np.arange(ids.shape[0])[:, None]].reshape(
         ids.size, -1)
 
 
 def _check_layout(got, bases, want_rows, ids, impl):
     """Chosen rows: the flat fold's; every other row: the input's bits."""
     got, want_rows = np.asarray(got), np.asarray(want_rows)
-    chosen = np.zeros((E, T), bool)
-    for t in range(T):
+    n_exp, n_tok = got.shape[:2]
+    chosen = np.zeros((n_exp, n_tok), bool)
+    for t in range(n_tok):
         for k in range(K_TOP):
             e = ids[t, k]
-            if not 0 <= e < E:
+            if not 0 <= e < n_exp:
                 continue
             chosen[e, t] = True
             g, w = got[e, t].astype(np.float32), want_rows[t * K_TOP + k].astype(np.float32)
@@ -59,11 +60,25 @@ def _check_layout(got, bases, want_rows, ids, impl):
     np.testing.assert_array_equal(bits(got[~chosen]), bits(np.asarray(bases)[~chosen]))
 
 
+# (E, T): the shapes of the tests below, and larger ones: 576 stacked gate+up
+# rows and 288 down rows, which the fast backend folds with the staged rows
+# kernel (from 264 rows, ffi_src/fast/decode_rows.cu) instead of the other.
+SIZES = [pytest.param((E, T), id="small"), pytest.param((16, 96), id="staged")]
+
+
+def _impls_of(size):
+    return [i for i in IMPLS if size[0] == E or i in ("fast", "jnp")]
+
+
+@pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_stacked_gate_up_equals_the_token_rows_fold(impl, dtype):
+def test_stacked_gate_up_equals_the_token_rows_fold(impl, dtype, size):
+    if impl not in _impls_of(size):
+        pytest.skip("the larger shapes are for the fast kernels (jnp as a check)")
+    n_exp, T = size
     rng = np.random.default_rng(21)
-    routes, ids, ra, bases = _case(rng, dtype, 2)
+    routes, ids, ra, bases = _case(rng, dtype, 2, E=n_exp, T=T)
     with on_platform(impl):
         x = to_device(rng.normal(size=(T, 64)).astype(dtype))
         rs, ids_d, ra_d = [to_device(r) for r in routes], jnp.asarray(ids), jnp.asarray(ra)
@@ -80,13 +95,17 @@ def test_stacked_gate_up_equals_the_token_rows_fold(impl, dtype):
             assert text.count("ffi_call") == 1
 
 
+@pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("with_map", [True, False], ids=["map", "nomap"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_down_rows_equal_the_flat_fold(impl, dtype, with_map):
+def test_down_rows_equal_the_flat_fold(impl, dtype, with_map, size):
     """One route, x in flat rows (x_gather=0): the block's down fold."""
+    if impl not in _impls_of(size):
+        pytest.skip("the larger shapes are for the fast kernels (jnp as a check)")
+    n_exp, T = size
     rng = np.random.default_rng(22)
-    routes, ids, ra, bases = _case(rng, dtype, 1, k_in=48, n_out=56)
+    routes, ids, ra, bases = _case(rng, dtype, 1, k_in=48, n_out=56, E=n_exp, T=T)
     with on_platform(impl):
         h = to_device(rng.normal(size=(T * K_TOP, 48)).astype(dtype))
         r, ids_d = to_device(routes[0]), jnp.asarray(ids)
