@@ -14,7 +14,10 @@
 #        workers within FUZZ_S seconds; sanall: SANALL_TOOLS, default "memcheck
 #        racecheck initcheck synccheck", over the whole GPU-marked suite in
 #        SANALL_N pytest --shard processes per tool (default 4; SANALL_SHARDS:
-#        the shard numbers this call runs, default all, to split a run over calls), every tool at
+#        the shard numbers this call runs, default all; SANALL_DONE_DIR: a
+#        carried folder of <tool>.txt lists of tests checked in earlier calls,
+#        skipped; each call writes the lists anew as sanall_done_<tool>.txt,
+#        to split a run over calls), every tool at
 #        once, within SANALL_S seconds (default 480), every
 #        kernel checked, or those whose names match the regex SANALL_KERNELS;
 #        SANALL_OPTS: more compute-sanitizer options; SAN_XLA_FLAGS: more XLA
@@ -117,12 +120,15 @@ if has sanall; then  # every GPU-marked test under each tool, SANALL_N shards a 
     [ -n "${SANALL_KERNELS:-}" ] && opts+=(--kernel-name "regex=$SANALL_KERNELS")
     [ "$tool" = initcheck ] && opts+=(--check-api-memory-access no)
     for i in ${SANALL_SHARDS:-$(seq 0 $((n - 1)))}; do
-      san_shard "$R/sanall_${tool}_$i.log" "${SANALL_S:-480}" "${opts[@]}" -- --shard "$i/$n" \
-        ${SANALL_FILES:-} ${SANALL_K:+-k "$SANALL_K"} &
+      SAN_DONE="${SANALL_DONE_DIR:+$SANALL_DONE_DIR/$tool.txt}" san_shard "$R/sanall_${tool}_$i.log" \
+        "${SANALL_S:-480}" "${opts[@]}" -- --shard "$i/$n" ${SANALL_FILES:-} ${SANALL_K:+-k "$SANALL_K"} &
     done
   done
   wait
   for tool in $tools; do
+    { [ -n "${SANALL_DONE_DIR:-}" ] && cat "$SANALL_DONE_DIR/$tool.txt" 2> /dev/null
+      grep -ohE '^tests/[^ ]+::[^ ]+ (PASSED|SKIPPED)' "$R"/sanall_"$tool"_*.log | cut -d' ' -f1
+    } | sort -u > "$R/sanall_done_$tool.txt"
     step "sanall $tool: $(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$R"/sanall_"$tool"_*.log | sort | uniq -c | tr -s ' ' | paste -sd';'); \
 $(grep -hE "(passed|failed).* in " "$R"/sanall_"$tool"_*.log | tr -s ' ' | paste -sd';'); \
 crashed: $(grep -h '^CRASHED ' "$R"/sanall_"$tool"_*.log | wc -l), error records: $(san_errors "$R"/sanall_"$tool"_*.log)"

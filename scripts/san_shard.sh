@@ -7,15 +7,19 @@
 # as one module: compute-sanitizer 2025.3 crashes (SIGSEGV) in programs that
 # XLA compiles in parallel pieces, the larger ones such as the block's
 # backward passes (docs/design.md, "Sanitizers"). SAN_XLA_FLAGS adds XLA
-# flags. Sourced by device_check.sh;
+# flags; SAN_DONE names a file of test ids (one a line) already checked by
+# this tool in earlier calls, deselected from the start. Sourced by device_check.sh;
 # tests/test_device_check.py runs it with a stand-in tool.
 san_shard() {
-  local log=$1 end=$(( $(date +%s) + $2 )); shift 2; local san=() py=() skip=() t
+  local log=$1 end=$(( $(date +%s) + $2 )); shift 2; local san=() py=() skip=() done=() t
   while [ "$1" != -- ]; do san+=("$1"); shift; done; shift; py=("$@")
+  if [ -n "${SAN_DONE:-}" ] && [ -f "$SAN_DONE" ]; then
+    for t in $(cat "$SAN_DONE"); do done+=(--deselect "$t"); done
+  fi
   while [ "$(date +%s)" -lt "$end" ]; do
     XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_force_compilation_parallelism=1 ${SAN_XLA_FLAGS:-}" timeout $(( end - $(date +%s) )) \
       compute-sanitizer "${san[@]}" python3 -m pytest -v -p no:cacheprovider -m gpu "${py[@]}" \
-      "${skip[@]}" >> "$log" 2>&1
+      "${done[@]}" "${skip[@]}" >> "$log" 2>&1
     [ $? -eq 139 ] || break
     printf '\nCRASHED %s\n' "$(grep -oE '^tests/[^ ]+::[^ ]+' "$log" | tail -1)" >> "$log"
     skip=()

@@ -54,3 +54,30 @@ def test_san_shard_skips_the_test_the_tool_crashed_in(tmp_path):
     assert "--deselect tests/test_fake.py::test_a" in second[1]
     assert "--deselect tests/test_fake.py::test_b" in second[1]
     assert "errors=0" in out.stdout
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
+                    reason="needs bash and coreutils timeout")
+def test_san_shard_deselects_the_tests_an_earlier_call_checked(tmp_path):
+    """SAN_DONE lists tests an earlier device call ran under the tool: they
+    are deselected from the first run on (test_b, which crashes the stand-in,
+    among them: the run goes through)."""
+    tool = tmp_path / "bin" / "compute-sanitizer"
+    tool.parent.mkdir()
+    tool.write_text(FAKE_TOOL)
+    tool.chmod(0o755)
+    log, calls, done = tmp_path / "san.log", tmp_path / "calls", tmp_path / "memcheck.txt"
+    done.write_text("tests/test_fake.py::test_a\ntests/test_fake.py::test_b\n")
+    env = dict(os.environ, PATH=f"{tool.parent}:{os.environ['PATH']}", CALLS=str(calls),
+               SAN_DONE=str(done))
+    script = (f"ulimit -c 0; source {ROOT / 'scripts' / 'san_shard.sh'}; "
+              f"san_shard {log} 60 --tool memcheck -- tests/test_fake.py")
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = log.read_text().splitlines()
+    assert [ln.split()[0] for ln in lines if "PASSED" in ln] == ["tests/test_fake.py::test_c"]
+    assert not any(ln.startswith("CRASHED") for ln in lines)
+    (first,) = calls.read_text().splitlines()
+    assert "--deselect tests/test_fake.py::test_a" in first
+    assert "--deselect tests/test_fake.py::test_b" in first
