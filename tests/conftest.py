@@ -58,7 +58,18 @@ def _shard(config, items):
     items[:] = keep
 
 
+# The fold backends that run CUDA kernels. On a GPU, a test case of one is a
+# GPU test (marked ``gpu``, so ``-m gpu`` selects it) however its file lists
+# the backends (``backends()["impls"]`` holds them there); without a GPU the
+# only such cases are the checks that they are refused.
+CUDA_BACKENDS = ("seed", "fast")
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if HAS_GPU and callspec is not None and callspec.params.get("impl") in CUDA_BACKENDS:
+            item.add_marker(pytest.mark.gpu)
     _shard(config, items)
     if HAS_GPU:
         return
