@@ -11,15 +11,15 @@
 # this tool in earlier calls, deselected from the start. Sourced by device_check.sh;
 # tests/test_device_check.py runs it with a stand-in tool.
 san_shard() {
-  local log=$1 end=$(( $(date +%s) + $2 )); shift 2; local san=() py=() skip=() done=() t
+  local log=$1 end=$(( $(date +%s) + $2 )); shift 2; local san=() py=() skip=() checked=() t
   while [ "$1" != -- ]; do san+=("$1"); shift; done; shift; py=("$@")
   if [ -n "${SAN_DONE:-}" ] && [ -f "$SAN_DONE" ]; then
-    for t in $(cat "$SAN_DONE"); do done+=(--deselect "$t"); done
+    for t in $(cat "$SAN_DONE"); do checked+=(--deselect "$t"); done
   fi
   while [ "$(date +%s)" -lt "$end" ]; do
     XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_force_compilation_parallelism=1 ${SAN_XLA_FLAGS:-}" timeout $(( end - $(date +%s) )) \
       compute-sanitizer "${san[@]}" python3 -m pytest -v -p no:cacheprovider -m gpu "${py[@]}" \
-      "${done[@]}" "${skip[@]}" >> "$log" 2>&1
+      "${checked[@]}" "${skip[@]}" >> "$log" 2>&1
     [ $? -eq 139 ] || break
     printf '\nCRASHED %s\n' "$(grep -oE '^tests/[^ ]+::[^ ]+' "$log" | tail -1)" >> "$log"
     skip=()

@@ -243,7 +243,6 @@ struct GroupedParams {
 // ------------------------------------------------------------- host --------
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-inline bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
 // Whether a gather fold's output buffers (out, and out2 when set) are aligned
 // to `bytes` (a power of two).
 inline bool outs_aligned(const GatherArgs& a, unsigned bytes) {
