@@ -107,7 +107,7 @@ __device__ __forceinline__ float seed_group_sum(float v) {
 // Everything a gather fold launch needs (device pointers; shapes as int64).
 struct GatherArgs {
   DType dtype;
-  const void* x;            // [x_gather ? n_slots / top_k : n_slots, K]
+  const void* x;            // x_gather's (XLayout) rows, [*, K]
   void* out;                // [n_slots, N], already holds base_out
   void* xa;                 // [n_slots, R] scratch (activation dtype)
   const int32_t* indices;   // [n_slots]
@@ -117,7 +117,7 @@ struct GatherArgs {
   const void* b_pool;       // [P, N, R]
   RouteView route;
   int64_t n_slots, K, N, R, top_k;
-  bool x_gather;
+  int64_t x_gather;  // XLayout: the x row a flat row reads (x_row)
   // Output layout (fold_common.h's gather_out_row): dense_tokens == 0, flat
   // rows of out; else a (virtual) expert's rows live in out (member 0) or
   // out2 (member 1), [dense_experts, dense_tokens, N] each.
@@ -135,6 +135,13 @@ struct GatherArgs {
     int buffer;
     const int64_t o = gather_out_row(row, row / top_k, expert, dense_tokens, dense_experts, &buffer);
     return static_cast<T*>(buffer ? out2 : out) + o * N;
+  }
+
+  // The first element of the x row that flat row `row` folding with
+  // (member-0) expert `expert` reads (fold_common.h's gather_x_row).
+  template <class T>
+  __host__ __device__ __forceinline__ const T* x_row(int64_t row, int64_t expert) const {
+    return static_cast<const T*>(x) + gather_x_row(x_gather, row, top_k, expert, dense_tokens) * K;
   }
 };
 

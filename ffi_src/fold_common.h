@@ -118,6 +118,16 @@ MOELORA_HD bool gather_uses_out2(int64_t n_experts, int64_t dense_tokens,
   return dense_tokens > 0 && n_experts > dense_experts;
 }
 
+// The x row a gather fold's flat row `row` reads when it folds with expert
+// `expert` (XLayout, moelora_constants.h); kXDense: `expert` is a member-0
+// expert in [0, dense_experts).
+MOELORA_HD int64_t gather_x_row(int64_t x_gather, int64_t row, int64_t top_k, int64_t expert,
+                                int64_t dense_tokens) {
+  if (x_gather == kXRows) return row;
+  const int64_t token = row / top_k;
+  return x_gather == kXTokens ? token : expert * dense_tokens + token;
+}
+
 // The output row of a gather fold's flat row `row` (token `token`) that folds
 // with (virtual) expert `expert`, in [0, n_experts). Flat layout
 // (dense_tokens == 0): row `row` of buffer 0. Dense expert layout: buffer

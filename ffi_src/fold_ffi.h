@@ -56,7 +56,9 @@ inline ffi::Error check_route(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuf
 // base_out has n_slots rows. Dense expert layout: base_out (and base2, when
 // the route's experts reach past dense_experts) holds [dense_experts,
 // dense_tokens] rows, one token per n_slots / top_k; the route has at most
-// 2 * dense_experts (virtual) experts.
+// 2 * dense_experts (virtual) experts. x_gather (XLayout): x holds n_slots
+// rows, n_slots / top_k tokens, or the dense layout's rows (a route of one
+// member).
 inline ffi::Error check_gather(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuffer base2,
                                ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> row_adapter,
                                ffi::AnyBuffer a_pool, ffi::AnyBuffer b_pool,
@@ -84,7 +86,14 @@ inline ffi::Error check_gather(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBu
                  base2.element_type() != base.element_type())))
       return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: bad dense expert layout");
   }
-  if (x.dimensions()[0] != (x_gather ? n_slots / top_k : n_slots))
+  if (x_gather < kXRows || x_gather > kXDense ||
+      (x_gather == kXDense && (dense_tokens == 0 || route->n_experts > dense_experts)))
+    return ffi::Error::InvalidArgument(
+        "moe_lora_gather_bgmv: x_gather must be 0, 1, or 2 with a one-member dense layout");
+  const int64_t x_rows = x_gather == kXRows     ? n_slots
+                         : x_gather == kXTokens ? n_slots / top_k
+                                                : dense_experts * dense_tokens;
+  if (x.dimensions()[0] != x_rows)
     return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: x rows do not match x_gather");
   if (has_row_adapter && int64_t(row_adapter.element_count()) != n_slots / top_k)
     return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: row_adapter length");

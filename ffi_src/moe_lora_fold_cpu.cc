@@ -134,7 +134,7 @@ template <class C>
 void gather_impl(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuffer base2, int64_t n_slots,
                  const int32_t* indices, const int32_t* row_adapter, bool has_ra,
                  ffi::AnyBuffer a_pool, ffi::AnyBuffer b_pool, const RouteView& route,
-                 const Dims& d, int64_t top_k, bool x_gather, int64_t dense_tokens,
+                 const Dims& d, int64_t top_k, int64_t x_gather, int64_t dense_tokens,
                  int64_t dense_experts, ffi::Result<ffi::AnyBuffer> out,
                  ffi::Result<ffi::AnyBuffer> out2, ffi::Result<ffi::AnyBuffer> xa) {
   FoldBuffers<C> buf(x, base, a_pool, b_pool, out, xa, d);
@@ -148,7 +148,7 @@ void gather_impl(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuffer base2, in
     if (!resolve_pair(route, has_ra ? row_adapter[t] : 0, indices[row], &p)) continue;
     int buffer;
     const int64_t o = gather_out_row(row, t, indices[row], dense_tokens, dense_experts, &buffer);
-    buf.fold(row, x_gather ? t : row, o, p, buffer);
+    buf.fold(row, gather_x_row(x_gather, row, top_k, indices[row], dense_tokens), o, p, buffer);
   }
 }
 
@@ -219,7 +219,7 @@ ffi::Error GatherBgmvCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuff
     return e;
   return dispatch<GatherFn>(base.element_type(), x, base, base2, n_slots, indices.typed_data(),
                             row_adapter.typed_data(), has_row_adapter != 0, a_pool, b_pool, route,
-                            d, top_k, x_gather != 0, dense_tokens, dense_experts, out, out2, xa);
+                            d, top_k, x_gather, dense_tokens, dense_experts, out, out2, xa);
 }
 
 ffi::Error GroupedDownCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base,

@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(kGbgmvThreads)
   const int64_t j = int64_t(blockIdx.x) * kGbgmvNPerBlock + threadIdx.x / kGbgmvThreadsPerOutput;
   float acc = 0.f;
   if (j < a.R) {
-    const T* x = static_cast<const T*>(a.x) + (a.x_gather ? g.token : row) * a.K;
+    const T* x = a.x_row<T>(row, g.expert);
     const T* w = static_cast<const T*>(a.a_pool) + (int64_t(g.pair.a) * a.R + j) * a.K;
     for (int64_t k = lane; k < a.K; k += kGbgmvThreadsPerOutput)
       acc += Tr::to_f(x[k]) * Tr::to_f(w[k]);
@@ -126,7 +126,7 @@ ffi::Error GatherBgmvCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
                   d.N,
                   d.R,
                   top_k,
-                  x_gather != 0,
+                  x_gather,
                   two ? out2->untyped_data() : nullptr,
                   dense_tokens,
                   dense_experts,

@@ -24,6 +24,15 @@ enum Variant : int64_t {
   kVariantFast = 1,  // tuned kernels
 };
 
+// Values of the gather fold's `x_gather` attribute: the x row that flat row
+// `row` (token row / top_k, expert e) reads.
+enum XLayout : int64_t {
+  kXRows = 0,    // x [n_slots, K]: row `row`
+  kXTokens = 1,  // x [n_slots / top_k, K]: row `row / top_k`
+  kXDense = 2,   // x [dense_experts * dense_tokens, K], the dense expert layout
+                 // of the output: row e * dense_tokens + row / top_k
+};
+
 // FFI target names: one per op, registered for "cpu" and "CUDA".
 inline constexpr const char* kGatherBgmvTarget = "moe_lora_gather_bgmv";
 inline constexpr const char* kGroupedDownTarget = "moe_lora_grouped_down";

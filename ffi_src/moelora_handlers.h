@@ -12,7 +12,9 @@
 //   attrs:    top_k, x_gather, has_row_adapter, dense_tokens, dense_experts,
 //             pdl, variant (all int64)
 //   X = n_slots when x_gather = 0 (row `row` read), n_slots / top_k when
-//   x_gather = 1 (row `row / top_k` read). num_tokens = n_slots / top_k.
+//   x_gather = 1 (row `row / top_k` read), M when x_gather = 2 (the dense
+//   expert layout below, a route of one member: x row e * T + row / top_k
+//   for expert e; XLayout in moelora_constants.h). num_tokens = n_slots / top_k.
 //   Output layout (fold_common.h, gather_out_row): dense_tokens = 0, flat
 //   rows: row `row` folds out row `row` (M = n_slots; base2 unused, [0, N]).
 //   dense_tokens = T > 0, the dense expert layout of MoEBlock's decode path

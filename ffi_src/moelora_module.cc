@@ -44,6 +44,9 @@ NB_MODULE(_moelora, m) {
   m.attr("MAX_RANK") = moelora::kMaxRank;
   m.attr("VARIANT_SEED") = static_cast<int>(moelora::kVariantSeed);
   m.attr("VARIANT_FAST") = static_cast<int>(moelora::kVariantFast);
+  m.attr("X_ROWS") = static_cast<int>(moelora::kXRows);
+  m.attr("X_TOKENS") = static_cast<int>(moelora::kXTokens);
+  m.attr("X_DENSE") = static_cast<int>(moelora::kXDense);
   m.attr("GATHER_BGMV_TARGET") = moelora::kGatherBgmvTarget;
   m.attr("GROUPED_DOWN_TARGET") = moelora::kGroupedDownTarget;
   m.attr("EXPERT_MATMUL_TARGET") = moelora::kExpertMatmulTarget;

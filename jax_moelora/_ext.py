@@ -55,6 +55,11 @@ RANK_ALIGN: int = ext.RANK_ALIGN
 MAX_RANK: int = ext.MAX_RANK
 VARIANT_SEED: int = ext.VARIANT_SEED
 VARIANT_FAST: int = ext.VARIANT_FAST
+# The gather fold's x layouts (its `x_gather` attribute): flat rows, tokens,
+# the dense expert layout of the outputs.
+X_ROWS: int = ext.X_ROWS
+X_TOKENS: int = ext.X_TOKENS
+X_DENSE: int = ext.X_DENSE
 GATHER_BGMV_TARGET: str = ext.GATHER_BGMV_TARGET
 GROUPED_DOWN_TARGET: str = ext.GROUPED_DOWN_TARGET
 HAS_CUDA: bool = ext.HAS_CUDA

@@ -96,21 +96,29 @@ def test_stacked_gate_up_equals_the_token_rows_fold(impl, dtype, size):
 
 
 @pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("x_gather", [0, 2], ids=["xrows", "xdense"])
 @pytest.mark.parametrize("with_map", [True, False], ids=["map", "nomap"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_down_rows_equal_the_flat_fold(impl, dtype, with_map, size):
-    """One route, x in flat rows (x_gather=0): the block's down fold."""
+def test_down_rows_equal_the_flat_fold(impl, dtype, with_map, x_gather, size):
+    """One route, x in flat rows (x_gather=0) or in the layout of the outputs
+    (x_gather=2, ``[E, T, k_in]``: flat row ``t * top_k + k`` reads row
+    ``(topk_ids[t, k], t)``, the block's down fold): bit for bit the gather
+    fold of the flat rows."""
     if impl not in _impls_of(size):
         pytest.skip("the larger shapes are for the fast kernels (jnp as a check)")
     n_exp, T = size
     rng = np.random.default_rng(22)
     routes, ids, ra, bases = _case(rng, dtype, 1, k_in=48, n_out=56, E=n_exp, T=T)
     with on_platform(impl):
-        h = to_device(rng.normal(size=(T * K_TOP, 48)).astype(dtype))
+        if x_gather == 2:
+            h_all = rng.normal(size=(n_exp, T, 48)).astype(dtype)
+            x, h = to_device(h_all), to_device(_flat(h_all, ids))
+        else:
+            x = h = to_device(rng.normal(size=(T * K_TOP, 48)).astype(dtype))
         r, ids_d = to_device(routes[0]), jnp.asarray(ids)
         ra_d = jnp.asarray(ra) if with_map else None
-        (got,) = jax.jit(lambda b: fold_dense_experts(h, b, ids_d, r, ra_d, x_gather=0,
+        (got,) = jax.jit(lambda b: fold_dense_experts(x, b, ids_d, r, ra_d, x_gather=x_gather,
                                                       impl=impl))((jnp.asarray(bases[0]),))
         want = moe_lora_gather_bgmv(h, jnp.asarray(_flat(bases[0], ids)), ids_d.reshape(-1), r,
                                     ra_d, top_k=K_TOP, x_gather=0, impl=impl)
@@ -154,6 +162,44 @@ def test_gradients_are_those_of_gather_fold_scatter(impl):
 
 
 @pytest.mark.parametrize("impl", [i for i in IMPLS if i in ("jnp", "cpu", "fast")])
+def test_gradients_with_x_in_the_dense_layout(impl):
+    """x_gather=2: x's cotangent is each folded row's, at its row ``(e, t)``
+    of ``[E, T, k_in]`` (zero on rows no flat row reads); the rest as for the
+    gather fold of the gathered rows."""
+    rng = np.random.default_rng(26)
+    routes, ids, ra, bases = _case(rng, jnp.float32, 1, k_in=48, n_out=56)
+    with on_platform(impl):
+        x = to_device(rng.normal(size=(E, T, 48)).astype(np.float32))
+        r, ids_d, ra_d = to_device(routes[0]), jnp.asarray(ids), jnp.asarray(ra)
+        w = jnp.asarray(rng.normal(size=bases[0].shape).astype(np.float32))
+        valid = jnp.asarray((ids >= 0) & (ids < E))
+        tok = jnp.arange(T)[:, None]
+        e = jnp.clip(ids_d, 0, E - 1)
+
+        def dense(x, b, route):
+            (out,) = fold_dense_experts(x, (b,), ids_d, route, ra_d, x_gather=2, impl=impl)
+            return jnp.sum(out * w)
+
+        def reference(x, b, route):
+            h = x[e, tok].reshape(T * K_TOP, -1)
+            flat = b[e, tok].reshape(T * K_TOP, -1)
+            folded = moe_lora_gather_bgmv(h, flat, ids_d.reshape(-1), route, ra_d, top_k=K_TOP,
+                                          x_gather=0, impl="jnp")
+            where = jnp.where(valid, e, E)  # E: dropped
+            return jnp.sum(b.at[where, tok].set(folded.reshape(T, K_TOP, -1), mode="drop") * w)
+
+        b = jnp.asarray(bases[0])
+        got = jax.grad(dense, argnums=(0, 1, 2), allow_int=True)(x, b, r)
+        want = jax.grad(reference, argnums=(0, 1, 2), allow_int=True)(x, b, r)
+        floats = [(g, wt) for g, wt in zip(jax.tree.leaves(got), jax.tree.leaves(want))
+                  if jnp.issubdtype(g.dtype, jnp.floating)]
+        assert len(floats) == 5  # x, the base, the pools and the scales
+        for g, wt in floats:
+            np.testing.assert_allclose(np.asarray(g), np.asarray(wt), rtol=1e-4, atol=1e-5)
+        assert np.any(np.asarray(got[0]) != 0)
+
+
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i in ("jnp", "cpu", "fast")])
 def test_vmap_folds_each_example(impl):
     rng = np.random.default_rng(24)
     routes, ids, ra, bases = _case(rng, jnp.bfloat16, 1)
@@ -182,6 +228,13 @@ def test_arguments_are_checked():
     with pytest.raises(ValueError, match="x_gather must be 1"):
         fold_dense_experts(jnp.zeros((T * K_TOP, 64)), bs, jnp.asarray(ids), stacked,
                            x_gather=0)
+    with pytest.raises(ValueError, match="x_gather must be 1"):
+        fold_dense_experts(jnp.zeros((E, T, 64)), bs, jnp.asarray(ids), stacked, x_gather=2)
+    with pytest.raises(ValueError, match=r"x_gather=2 needs \[E, T, k_in\]"):
+        fold_dense_experts(jnp.zeros((E, T + 1, 64)), bs[:1], jnp.asarray(ids),
+                           to_device(routes[0]), x_gather=2)
+    with pytest.raises(ValueError, match="x_gather must be 0, 1 or 2"):
+        fold_dense_experts(x, bs[:1], jnp.asarray(ids), to_device(routes[0]), x_gather=3)
     with pytest.raises(ValueError, match="row_adapter"):
         fold_dense_experts(x, bs, jnp.asarray(ids), stacked, jnp.asarray(ra[:-1]), x_gather=1)
     with pytest.raises(TypeError, match="topk_ids"):

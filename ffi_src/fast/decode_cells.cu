@@ -282,14 +282,13 @@ __device__ __forceinline__ void fold_batch(const DecodeParams& p, char* smem, co
 
   // 2. shrink: acc[rt][nt] = A[16 rt .. 16 rt + 16) . x[rows 8 nt .. 8 nt + 8)^T
   const uint16_t* A = static_cast<const uint16_t*>(a.a_pool) + int64_t(pa) * R * K;
-  const uint16_t* x = static_cast<const uint16_t*>(a.x);
   const int nt_rows = cnt > 8 ? 2 : 1;
   const uint16_t* xr[2];
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
     const int q = nt * 8 + g;
     const int64_t row = q < cnt ? rows[q] : 0;
-    xr[nt] = q < cnt ? x + (a.x_gather ? row / a.top_k : row) * K : nullptr;
+    xr[nt] = q < cnt ? a.x_row<uint16_t>(row, expert) : nullptr;
   }
   float acc[RT][2][4];
 #pragma unroll

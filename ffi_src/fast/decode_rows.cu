@@ -151,9 +151,9 @@ struct ExpandOps {
   }
 };
 
-// One row of a CTA, its pair resolved by gather_rows_kernel below.
+// One row of a CTA (x: its x row), its pair resolved by gather_rows_kernel below.
 template <DType D, int RB>
-__device__ __forceinline__ void fold_row(const GatherArgs& a, int64_t row, const Pair& pair,
+__device__ __forceinline__ void fold_row(const GatherArgs& a, const uint16_t* x, const Pair& pair,
                                          uint16_t* orow, int64_t chunk_w, bool nvec,
                                          float (&s_part)[kRowWarps][8 * RB],
                                          float (&s_xa)[8 * RB]) {
@@ -166,8 +166,6 @@ __device__ __forceinline__ void fold_row(const GatherArgs& a, int64_t row, const
   ExpandOps<RB> ops;
   if (col < c1) ops.load(B, orow, col, c1, nvec);
 
-  const uint16_t* x =
-      static_cast<const uint16_t*>(a.x) + (a.x_gather ? row / a.top_k : row) * K;
   const uint16_t* A = static_cast<const uint16_t*>(a.a_pool) + int64_t(pair.a) * R * K;
   shrink_row<D, RB, false>(A, x, K, s_part, s_xa);
   float xa[R];
@@ -203,6 +201,7 @@ __global__ void __launch_bounds__(kRowThreads, MINB) gather_rows_kernel(const Ga
   __shared__ Pair s_pair[RPC];
   __shared__ int s_ok[RPC];
   __shared__ uint16_t* s_orow[RPC];
+  __shared__ const uint16_t* s_x[RPC];
   const int64_t row0 = int64_t(blockIdx.x) * RPC;
   if (threadIdx.x < RPC) {
     const int64_t row = row0 + threadIdx.x;
@@ -213,11 +212,12 @@ __global__ void __launch_bounds__(kRowThreads, MINB) gather_rows_kernel(const Ga
     s_pair[threadIdx.x] = pair;
     s_ok[threadIdx.x] = ok;
     s_orow[threadIdx.x] = ok ? a.out_row<uint16_t>(row, e) : nullptr;
+    s_x[threadIdx.x] = ok ? a.x_row<uint16_t>(row, e) : nullptr;
   }
   __syncthreads();
 #pragma unroll 1
   for (int j = 0; j < RPC; ++j)
-    if (s_ok[j]) fold_row<D, RB>(a, row0 + j, s_pair[j], s_orow[j], chunk_w, nvec, s_part, s_xa);
+    if (s_ok[j]) fold_row<D, RB>(a, s_x[j], s_pair[j], s_orow[j], chunk_w, nvec, s_part, s_xa);
 }
 
 // The staged rows kernel: a CTA per SM owns a run of consecutive rows and
@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(kRowThreads, 1)
   __shared__ float s_part[kRowWarps][R];
   __shared__ float s_xa[R];
   __shared__ Pair s_pair[kStagedMaxRows];
-  __shared__ int64_t s_row[kStagedMaxRows];
+  __shared__ const uint16_t* s_x[kStagedMaxRows];
   __shared__ uint16_t* s_orow[kStagedMaxRows];
   __shared__ int s_count[2];
   __shared__ __align__(8) uint64_t s_full[kStagedStages];
@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(kRowThreads, 1)
   if (ok) {
     const int at = (w == 1 ? s_count[0] : 0) + __popc(mask & ((1u << lane) - 1u));
     s_pair[at] = pair;
-    s_row[at] = row0 + tid;
+    s_x[at] = a.x_row<uint16_t>(row0 + tid, e);
     s_orow[at] = a.out_row<uint16_t>(row0 + tid, e);
   }
   __syncthreads();
@@ -288,15 +288,12 @@ __global__ void __launch_bounds__(kRowThreads, 1)
   // 2. the rows, kStagedStages in flight
   auto issue = [&](int i) {  // thread 0: row i's bytes into stage i % kStagedStages
     char* st = smem + (i % kStagedStages) * lay.stage;
-    const int64_t row = s_row[i];
     const Pair pr = s_pair[i];
     uint64_t* bar = &s_full[i % kStagedStages];
     mbar_expect_tx(bar, unsigned(lay.stage));
     bulk_g2s(st, static_cast<const uint16_t*>(a.a_pool) + int64_t(pr.a) * R * K,
              unsigned(lay.a_bytes), bar);
-    bulk_g2s(st + lay.a_bytes,
-             static_cast<const uint16_t*>(a.x) + (a.x_gather ? row / a.top_k : row) * K,
-             unsigned(lay.x_bytes), bar);
+    bulk_g2s(st + lay.a_bytes, s_x[i], unsigned(lay.x_bytes), bar);
     bulk_g2s(st + lay.a_bytes + lay.x_bytes,
              static_cast<const uint16_t*>(a.b_pool) + int64_t(pr.b) * N * R,
              unsigned(lay.b_bytes), bar);

@@ -218,8 +218,7 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_kernel(const GatherArg
   Pair pair;
   if (!resolve_pair(a.route, l, e, &pair)) return;
   const int64_t c0 = int64_t(blockIdx.y) * kF32Cols, c1 = min(a.N, c0 + kF32Cols);
-  const int64_t xrow = a.x_gather ? row / a.top_k : row;
-  f32_fold_row<RB>(static_cast<const float*>(a.x) + xrow * a.K,
+  f32_fold_row<RB>(a.x_row<float>(row, e),
                    static_cast<const float*>(a.a_pool) + int64_t(pair.a) * a.R * a.K,
                    static_cast<const float*>(a.b_pool) + int64_t(pair.b) * a.N * a.R,
                    pair.scale, a.K, int(a.R), a.N, a.out_row<float>(row, e), c0, c1);
@@ -236,6 +235,7 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_tiled_kernel(const Gat
   __shared__ Pair s_pair[TR];
   __shared__ int s_ok[TR];
   __shared__ float* s_orow[TR];
+  __shared__ const float* s_x[TR];
   const int tid = threadIdx.x;
   const int64_t r0 = int64_t(blockIdx.x) * TR;
   if (tid < TR) {
@@ -247,10 +247,10 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_tiled_kernel(const Gat
     s_ok[tid] = ok;
     s_pair[tid] = pair;
     s_orow[tid] = ok ? a.out_row<float>(row, e) : nullptr;
+    s_x[tid] = ok ? a.x_row<float>(row, e) : nullptr;
   }
   __syncthreads();
   const int64_t c0 = int64_t(blockIdx.y) * kF32Cols, c1 = min(a.N, c0 + kF32Cols);
-  const float* x0 = static_cast<const float*>(a.x);
   // every thread walks the same groups (the CTA stays uniform)
   uint32_t todo = 0;
   for (int i = 0; i < TR; ++i) todo |= uint32_t(s_ok[i] != 0) << i;
@@ -265,11 +265,10 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_tiled_kernel(const Gat
       const Pair q = s_pair[j];
       if (q.a != p.a || q.b != p.b || __float_as_uint(q.scale) != __float_as_uint(p.scale))
         continue;
-      const int64_t row = r0 + j;
 #pragma unroll
       for (int g = 0; g < kF32Group; ++g) {  // xs[n], os[n] with n in registers
         if (g == n) {
-          xs[g] = x0 + (a.x_gather ? row / a.top_k : row) * a.K;
+          xs[g] = s_x[j];
           os[g] = s_orow[j];
         }
       }

@@ -17,7 +17,8 @@ outputs, before the chosen rows are taken; on other flat rows
 ``fold_token_projections`` interleaves them per token and reads ``x`` in
 place; on sorted rows the experts' ``first_stacked`` hands them over stacked
 ``[2, rows, I]``, which ``expert_matmul`` writes in place); down (one fold,
-in the dense ``[E, T, H]`` output on the dense path); with shared experts,
+in the dense ``[E, T, H]`` output on the dense path, reading its input rows
+in the ``[E, T, I]`` the down GEMM reads); with shared experts,
 shared gate and up together and shared down (one gather fold each).
 """
 
@@ -39,6 +40,7 @@ from jax_moelora.nnx.experts import (
     GptOssExperts,
     SharedExperts,
     default_expert_init,
+    scatter_rows,
     take_slots,
 )
 from jax_moelora.nnx.families import MoEFamily, family_config
@@ -244,8 +246,9 @@ class MoEBlock(nnx.Module):
         g_all, u_all = fold_dense_experts(x, experts.first_all(x), topk_ids, routes.gate_up,
                                           adapter_ids, x_gather=1, impl=impl)
         h = experts.activation(take_slots(g_all, topk_ids), take_slots(u_all, topk_ids))
-        (d_all,) = fold_dense_experts(h, (experts.down_all(h, topk_ids),), topk_ids, routes.down,
-                                      adapter_ids, x_gather=0, impl=impl)
+        h_all = scatter_rows(h, topk_ids, g_all.shape[0])  # what the down GEMM reads
+        (d_all,) = fold_dense_experts(h_all, (experts.down_all(h_all),), topk_ids, routes.down,
+                                      adapter_ids, x_gather=2, impl=impl)
         return take_slots(d_all, topk_ids)
 
     def shared(self, x: Array, adapter_ids: Array | None, routes: MoELoRARoutes | None,

@@ -40,7 +40,7 @@ from jax_moelora.ops.folds import RowPlan, plan_rows
 __all__ = ["EXPERT_GEMMS", "ExpertGemm", "ExpertPath", "ExpertRows", "GluExperts",
            "GptOssExperts", "SharedExperts", "default_expert_init", "dense_all_rows",
            "dense_all_tokens", "expert_matmul", "expert_matmul_pair",
-           "grouped_gemm_runs_kernel", "take_slots"]
+           "grouped_gemm_runs_kernel", "scatter_rows", "take_slots"]
 
 Array = jax.Array
 ExpertPath = Literal["dense", "ragged"]
@@ -102,16 +102,19 @@ def dense_all_tokens(x: Array, w: Array) -> Array:
     return jnp.einsum("etk,ekn->etn", xb, w)
 
 
+def scatter_rows(h: Array, topk_ids: Array, num_experts: int) -> Array:
+    """Flat per-row inputs ``h [T * k, K]`` as rows ``(e, t)`` of ``[E, T, K]``
+    (zeros elsewhere: a token's top-k experts are distinct)."""
+    t, k = topk_ids.shape
+    scat = jnp.zeros((num_experts, t, h.shape[-1]), h.dtype)
+    return scat.at[topk_ids, jnp.arange(t)[:, None]].set(h.reshape(t, k, -1))
+
+
 def dense_all_rows(h: Array, w: Array, topk_ids: Array) -> Array:
     """Flat per-row inputs ``h [T * k, K]`` through their own expert, as rows
-    ``(e, t)`` of ``[E, T, N]`` (rows of experts a token did not choose: zero).
-
-    Rows are scattered to ``[E, T, K]`` (zeros elsewhere: a token's top-k
-    experts are distinct) and multiplied expert by expert."""
-    t, k = topk_ids.shape
-    scat = jnp.zeros((w.shape[0], t, h.shape[-1]), h.dtype)
-    scat = scat.at[topk_ids, jnp.arange(t)[:, None]].set(h.reshape(t, k, -1))
-    return jnp.einsum("etk,ekn->etn", scat, w)
+    ``(e, t)`` of ``[E, T, N]`` (rows of experts a token did not choose: zero):
+    :func:`scatter_rows`, then a matmul expert by expert."""
+    return jnp.einsum("etk,ekn->etn", scatter_rows(h, topk_ids, w.shape[0]), w)
 
 
 def _dense_tokens(x: Array, w: Array, topk_ids: Array) -> Array:
@@ -265,10 +268,10 @@ class GluExperts(nnx.Module):
         """Rows ``h [T * top_k, I]`` -> base down rows ``[T * top_k, H]``."""
         return expert_matmul(h, self.down_proj[...].astype(self.dtype), rows, x_gather=False)
 
-    def down_all(self, h: Array, topk_ids: Array) -> Array:
-        """Flat rows ``h [T * top_k, I]`` -> base down ``[E, T, H]`` (row ``(e, t)``
-        of a chosen expert; zero elsewhere), the dense path's layout."""
-        return dense_all_rows(h, self.down_proj[...].astype(self.dtype), topk_ids)
+    def down_all(self, h_all: Array) -> Array:
+        """Rows ``h_all [E, T, I]`` (:func:`scatter_rows` of the flat rows) ->
+        base down ``[E, T, H]``, the dense path's layout."""
+        return jnp.einsum("etk,ekn->etn", h_all, self.down_proj[...].astype(self.dtype))
 
 
 class GptOssExperts(nnx.Module):

@@ -221,12 +221,13 @@ def _gather_rows(cfg: GatherCfg, indices, route, row_adapter):
     return (tok if cfg.x_gather else rows), cell, ok
 
 
-def gather_fold_vjp(op, cfg: GatherCfg, rows_cotangent=None):
+def gather_fold_vjp(op, cfg: GatherCfg, rows_cotangent=None, x_index=None):
     """``op(x, base, indices, route, row_adapter)``, a gather fold of flat rows
     configured by ``cfg``, with its ``custom_vjp``. ``base`` is any pytree of
     the folded outputs; ``rows_cotangent(g, indices)`` gives each flat row's
     cotangent ``[n_slots, N]`` from the outputs' ``g`` (default: ``g`` itself,
-    ``base`` being the flat rows). ``base``'s cotangent is ``g``."""
+    ``base`` being the flat rows); ``x_index(indices)`` each flat row's x row
+    (default: ``cfg.x_gather``'s). ``base``'s cotangent is ``g``."""
 
     @jax.custom_vjp
     def fold(x, base, indices, route, row_adapter):
@@ -238,6 +239,8 @@ def gather_fold_vjp(op, cfg: GatherCfg, rows_cotangent=None):
     def bwd(res, g):
         x, indices, route, row_adapter = res
         xi, cell, ok = _gather_rows(cfg, indices, route, row_adapter)
+        if x_index is not None:
+            xi = x_index(indices)
         g_rows = g if rows_cotangent is None else rows_cotangent(g, indices)
         dx, da, db, ds = fold_rows_vjp(x, route, g_rows, xi, cell, ok)
         return dx, g, None, _route_ct(route, da, db, ds), None

@@ -11,7 +11,9 @@ block, read them from there: a copy kernel per projection and per layer.
 ``(e, t)`` of its projection's ``[E, T, N]`` in place (the gather custom
 call's dense expert layout, ``ffi_src/moelora_handlers.h``), with the same
 rows, skip rules and per-row arithmetic as the gather fold: bit for bit the
-gather fold of the gathered rows, on every backend.
+gather fold of the gathered rows, on every backend. The down projection's
+input can be read in that layout too (``x_gather=2``: ``x [E, T, I]``, the
+scattered rows its dense GEMM multiplies), so the block never gathers it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jax_moelora import _ext
 from jax_moelora.int_range import check_rows
 from jax_moelora.ops import autodiff, batching, ffi_fold, launch
 from jax_moelora.ops.batching import GatherCfg, match_varying, virtual_ids
@@ -38,6 +42,7 @@ class DenseCfg(NamedTuple):
     gather: GatherCfg  # top_k: rows per token (S * top_k for S members)
     experts: int       # E
     tokens: int        # T
+    x_dense: bool = False  # x is [E * T, k_in] in the outputs' layout (gather.x_gather 0)
 
 
 def _targets(cfg: DenseCfg, indices):
@@ -67,6 +72,8 @@ def _via_rows(cfg: DenseCfg, x, bases, indices, route, row_adapter):
     ``vmap``, where the gather fold's rule makes it one launch)."""
     E, T = cfg.experts, cfg.tokens
     flats = [b.reshape(E * T, -1) for b in bases]
+    if cfg.x_dense:
+        x = _take(cfg, [x], indices)
     folded = batching.gather_op(cfg.gather)(x, _take(cfg, flats, indices), indices, route,
                                             row_adapter)
     member, target, has = _targets(cfg, indices)
@@ -91,7 +98,8 @@ def _impl(cfg: DenseCfg, x, bases, indices, route, row_adapter):
     flats = [b.reshape(E * T, -1) for b in bases]
     out, out2 = ffi_fold.gather_bgmv_ffi(
         x, flats[0], indices, route, row_adapter, top_k=cfg.gather.top_k,
-        x_gather=cfg.gather.x_gather, impl=impl, pdl=cfg.gather.pdl,
+        x_gather=_ext.X_DENSE if cfg.x_dense else cfg.gather.x_gather, impl=impl,
+        pdl=cfg.gather.pdl,
         base2=flats[1] if len(flats) > 1 else None,
         dense_tokens=T, dense_experts=E)
     outs = (out,) if out2 is None else (out, out2)
@@ -120,7 +128,21 @@ def _dense_op(cfg: DenseCfg):
     def rows_cotangent(g, indices):
         return _take(cfg, [gb.reshape(cfg.experts * cfg.tokens, -1) for gb in g], indices)
 
-    return autodiff.gather_fold_vjp(op, cfg.gather, rows_cotangent)
+    def x_index(indices):  # x_dense: the x row of each flat row (folded rows name member 0)
+        return _targets(cfg, indices)[1]
+
+    return autodiff.gather_fold_vjp(op, cfg.gather, rows_cotangent,
+                                    x_index if cfg.x_dense else None)
+
+
+def _x_dense(fn: str, x_gather) -> bool:
+    """Whether ``x_gather`` is 2 (x in the outputs' layout); 0 and 1 are
+    checked by ``_check_x_gather``."""
+    if isinstance(x_gather, (int, np.integer)) and not isinstance(x_gather, (bool, np.bool_)):
+        if x_gather not in (0, 1, 2):
+            raise ValueError(f"{fn}: x_gather must be 0, 1 or 2, got {x_gather!r}")
+        return x_gather == 2
+    return False
 
 
 def fold_dense_experts(x: jax.Array, bases: tuple[jax.Array, ...], topk_ids: jax.Array,
@@ -130,8 +152,10 @@ def fold_dense_experts(x: jax.Array, bases: tuple[jax.Array, ...], topk_ids: jax
     """Fold a decode batch's rows into the dense expert outputs they live in.
 
     Args:
-      x: ``[T, k_in]`` tokens (``x_gather=1``) or ``[T * top_k, k_in]`` flat
-        rows (``x_gather=0``; a ``MoeExpertRoute`` only).
+      x: ``[T, k_in]`` tokens (``x_gather=1``), ``[T * top_k, k_in]`` flat
+        rows (``x_gather=0``; a ``MoeExpertRoute`` only), or ``[E, T, k_in]``
+        in the layout of ``bases`` (``x_gather=2``; a ``MoeExpertRoute``
+        only): flat row ``t * top_k + k`` reads row ``(topk_ids[t, k], t)``.
       bases: one ``[E, T, n_out]`` per projection of ``route``: ``(base,)``
         for a ``MoeExpertRoute`` with ``n_experts == E``, ``(gate, up)`` for a
         ``StackedRoute`` of two (row ``(e, t)``: expert ``e`` on token ``t``).
@@ -154,8 +178,9 @@ def fold_dense_experts(x: jax.Array, bases: tuple[jax.Array, ...], topk_ids: jax
         raise ValueError(f"{fn}: {len(bases)} bases for a route of {S} projections (at most 2)")
     _int_array("topk_ids", topk_ids, ndim=2)
     T, k = topk_ids.shape
-    x_gather = _check_x_gather(fn, x_gather)
-    if S > 1 and not x_gather:
+    x_dense = _x_dense(fn, x_gather)
+    x_gather = 0 if x_dense else _check_x_gather(fn, x_gather)
+    if S > 1 and x_gather != 1:
         raise ValueError(f"{fn}: a StackedRoute's projections read the tokens: x_gather must be 1")
     single = route.route(0) if S > 1 else route
     E = single.n_experts
@@ -166,8 +191,13 @@ def fold_dense_experts(x: jax.Array, bases: tuple[jax.Array, ...], topk_ids: jax
                              f"[E, T, n_out] = [{E}, {T}, n_out] of one shape and dtype")
     check_rows(fn, "bases (E * T rows)", E * T)
     check_rows(fn, "rows (T * top_k * projections)", T * k * S)
+    if x_dense:
+        if x.ndim != 3 or x.shape[:2] != (E, T):
+            raise ValueError(f"{fn}: x is {list(x.shape)}; x_gather=2 needs [E, T, k_in] = "
+                             f"[{E}, {T}, k_in], the layout of bases")
+        x = x.reshape(E * T, x.shape[2])
     _check_common(fn, x, bases[0][0], single)
-    want_x = T if x_gather else T * k
+    want_x = E * T if x_dense else T if x_gather else T * k
     if x.shape[0] != want_x:
         raise ValueError(f"{fn}: x has {x.shape[0]} rows; x_gather={x_gather} needs {want_x}")
     if row_adapter is not None and _int_array("row_adapter", row_adapter) != (T,):
@@ -178,7 +208,8 @@ def fold_dense_experts(x: jax.Array, bases: tuple[jax.Array, ...], topk_ids: jax
     if S > 1:
         ids = virtual_ids(ids[:, None, :], jnp.arange(S, dtype=jnp.int32)[None, :, None], E)
         route = route.virtual()
-    cfg = DenseCfg(GatherCfg(S * k, x_gather, impl, launch.programmatic_launch_enabled()), E, T)
+    cfg = DenseCfg(GatherCfg(S * k, x_gather, impl, launch.programmatic_launch_enabled()), E, T,
+                   x_dense)
     route = jax.tree_util.tree_map(jnp.asarray, route)
     args = match_varying((x, bases, ids.reshape(-1), route, row_adapter))
     return _dense_op(cfg)(*args)
