@@ -1,8 +1,10 @@
 # san_shard LOG SECONDS SANITIZER_ARGS... -- PYTEST_ARGS...: the GPU-marked
 # tests PYTEST_ARGS select, under compute-sanitizer SANITIZER_ARGS, within
-# SECONDS, output appended to LOG. When the tool crashes (SIGSEGV) the running
-# test is logged on a line of its own as "CRASHED <id>" and the run resumes
-# without it and the tests already done. XLA's command buffers are off, so
+# SECONDS, output appended to LOG. When the tool crashes (SIGSEGV), or reports
+# an "Internal Sanitizer Error" (racecheck's "failed to handle a hardware
+# exception", after which every CUDA call of the process fails), the test it
+# happened in is logged on a line of its own as "CRASHED <id>" and the run
+# resumes without it and the tests already passed or skipped. XLA's command buffers are off, so
 # every kernel is a plain launch the tool sees, and XLA compiles each program
 # as one module: compute-sanitizer 2025.3 crashes (SIGSEGV) in programs that
 # XLA compiles in parallel pieces, the larger ones such as the block's
@@ -17,13 +19,21 @@ san_shard() {
     for t in $(cat "$SAN_DONE"); do checked+=(--deselect "$t"); done
   fi
   while [ "$(date +%s)" -lt "$end" ]; do
+    local from=$(( $( (cat "$log" 2> /dev/null || true) | wc -l) + 1 )) rc broke
     XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_force_compilation_parallelism=1 ${SAN_XLA_FLAGS:-}" timeout $(( end - $(date +%s) )) \
       compute-sanitizer "${san[@]}" python3 -m pytest -v -p no:cacheprovider -m gpu "${py[@]}" \
       "${checked[@]}" "${skip[@]}" >> "$log" 2>&1
-    [ $? -eq 139 ] || break
-    printf '\nCRASHED %s\n' "$(grep -oE '^tests/[^ ]+::[^ ]+' "$log" | tail -1)" >> "$log"
+    rc=$?
+    if [ $rc -eq 139 ]; then
+      broke=$(grep -oE '^tests/[^ ]+::[^ ]+' "$log" | tail -1)
+    else
+      broke=$(tail -n +"$from" "$log" | grep -m1 -oE '^tests/[^ ]+::[^ ]+ =+ Internal Sanitizer Error' |
+              cut -d' ' -f1)
+      [ -n "$broke" ] || break
+    fi
+    printf '\nCRASHED %s\n' "$broke" >> "$log"
     skip=()
-    for t in $(grep -oE '^tests/[^ ]+::[^ ]+ (PASSED|FAILED|SKIPPED|ERROR)' "$log" | cut -d' ' -f1) \
+    for t in $(grep -oE '^tests/[^ ]+::[^ ]+ (PASSED|SKIPPED)' "$log" | cut -d' ' -f1) \
              $(grep -E '^CRASHED ' "$log" | cut -d' ' -f2); do skip+=(--deselect "$t"); done
   done
 }

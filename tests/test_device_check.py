@@ -81,3 +81,50 @@ def test_san_shard_deselects_the_tests_an_earlier_call_checked(tmp_path):
     (first,) = calls.read_text().splitlines()
     assert "--deselect tests/test_fake.py::test_a" in first
     assert "--deselect tests/test_fake.py::test_b" in first
+
+
+# Stands in for a tool that reports an internal error during test_b (as
+# racecheck 2025.3 did in CUTLASS's GEMM on the GPU): the process goes on, and
+# every later test fails, until test_b is deselected.
+FAKE_TOOL_INTERNAL_ERROR = r"""#!/usr/bin/env bash
+echo "$*" >> "$CALLS"
+args=" $* "
+broken=0
+for t in a b c; do
+  id="tests/test_fake.py::test_$t"
+  case "$args" in *" --deselect $id "*) continue;; esac
+  if [ "$t" = b ]; then
+    echo "$id ========= Internal Sanitizer Error: The Sanitizer failed to handle a hardware exception."
+    echo "FAILED [ 50%]"; broken=1; continue
+  fi
+  if [ $broken = 1 ]; then echo "$id FAILED [ 90%]"; else echo "$id PASSED [ 50%]"; fi
+done
+exit $broken
+"""
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
+                    reason="needs bash and coreutils timeout")
+def test_san_shard_resumes_after_an_internal_tool_error(tmp_path):
+    """An internal error of the tool breaks the process: its test is logged as
+    CRASHED, and the tests that failed after it run again without it."""
+    tool = tmp_path / "bin" / "compute-sanitizer"
+    tool.parent.mkdir()
+    tool.write_text(FAKE_TOOL_INTERNAL_ERROR)
+    tool.chmod(0o755)
+    log, calls = tmp_path / "san.log", tmp_path / "calls"
+    env = dict(os.environ, PATH=f"{tool.parent}:{os.environ['PATH']}", CALLS=str(calls))
+    script = (f"source {ROOT / 'scripts' / 'san_shard.sh'}; "
+              f"san_shard {log} 60 --tool racecheck -- tests/test_fake.py")
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = log.read_text().splitlines()
+    assert "CRASHED tests/test_fake.py::test_b" in lines
+    assert [ln.split()[0] for ln in lines if "PASSED" in ln] == [
+        "tests/test_fake.py::test_a", "tests/test_fake.py::test_c"]
+    first, second = calls.read_text().splitlines()
+    assert "--deselect" not in first
+    assert "--deselect tests/test_fake.py::test_a" in second
+    assert "--deselect tests/test_fake.py::test_b" in second
+    assert "--deselect tests/test_fake.py::test_c" not in second
