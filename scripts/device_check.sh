@@ -120,10 +120,6 @@ if has sanall; then  # every GPU-marked test under each tool, SANALL_N shards a 
     opts=(--tool "$tool" --print-limit 20 ${SANALL_OPTS:-})
     if [ "$tool" = initcheck ]; then opts+=(--check-api-memory-access no)
     elif [ -n "${SANALL_KERNELS:-}" ]; then opts+=(--kernel-name "regex=$SANALL_KERNELS"); fi
-    # racecheck 2025.3 stops inside CUTLASS's grouped GEMM (TMA, wgmma,
-    # mbarriers) with "Internal Sanitizer Error: failed to handle a hardware
-    # exception", which leaves the process's CUDA context broken: it skips it.
-    [ "$tool" = racecheck ] && opts+=(--kernel-name-exclude "regex=cutlass13device_kernel")
     for i in ${SANALL_SHARDS:-$(seq 0 $((n - 1)))}; do
       SAN_DONE="${SANALL_DONE_DIR:+$SANALL_DONE_DIR/$tool.txt}" san_shard "$R/sanall_${tool}_$i.log" \
         "${SANALL_S:-480}" "${opts[@]}" -- --shard "$i/$n" ${SANALL_FILES:-} ${SANALL_K:+-k "$SANALL_K"} &
