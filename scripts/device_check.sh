@@ -24,7 +24,8 @@
 #        SANALL_OPTS: more compute-sanitizer options; SAN_XLA_FLAGS: more XLA
 #        flags under the tool; SANALL_FILES, SANALL_K:
 #        test files and a -k expression instead of the whole suite; tests during which the
-#        tool crashes are listed as CRASHED and skipped)
+#        tool crashes or reports an internal error are listed as CRASHED and skipped;
+#        on a machine of several GPUs the processes take the GPUs in turn)
 #        (readme: the README's GPU command without its download step, which
 #        builds the kernels and runs the demo on the GPU; it replaces build)
 #        BENCH="<bench args>"  BENCH2="<a second bench>"  TESTS="<pytest args of the suite step>"
@@ -113,16 +114,22 @@ if has sanall; then  # every GPU-marked test under each tool, SANALL_N shards a 
   # buffers XLA's kernels write look uninitialised. XLA compiles each program
   # as one module (compute-sanitizer 2025.3 crashes in programs compiled in
   # parallel pieces); should the tool still crash, san_shard logs the test
-  # and goes on. SANALL_OPTS: more compute-sanitizer options.
+  # and goes on. SANALL_OPTS: more compute-sanitizer options. On a machine
+  # of several GPUs (nvidia-h200-x2, -x4, -x8) the processes take the GPUs in
+  # turn, so a call runs about 16 processes a GPU (one a CPU core).
   tools=${SANALL_TOOLS:-memcheck racecheck initcheck synccheck}; n=${SANALL_N:-4}
-  step "sanall: $tools, $n shards each"
+  gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU'); [ "$gpus" -ge 1 ] || gpus=1
+  step "sanall: $tools, $n shards each, $gpus GPU(s)"
+  j=0
   for tool in $tools; do
     opts=(--tool "$tool" --print-limit 20 ${SANALL_OPTS:-})
     if [ "$tool" = initcheck ]; then opts+=(--check-api-memory-access no)
     elif [ -n "${SANALL_KERNELS:-}" ]; then opts+=(--kernel-name "regex=$SANALL_KERNELS"); fi
     for i in ${SANALL_SHARDS:-$(seq 0 $((n - 1)))}; do
-      SAN_DONE="${SANALL_DONE_DIR:+$SANALL_DONE_DIR/$tool.txt}" san_shard "$R/sanall_${tool}_$i.log" \
-        "${SANALL_S:-480}" "${opts[@]}" -- --shard "$i/$n" ${SANALL_FILES:-} ${SANALL_K:+-k "$SANALL_K"} &
+      ( export CUDA_VISIBLE_DEVICES=$(( j % gpus ))
+        SAN_DONE="${SANALL_DONE_DIR:+$SANALL_DONE_DIR/$tool.txt}" san_shard "$R/sanall_${tool}_$i.log" \
+          "${SANALL_S:-480}" "${opts[@]}" -- --shard "$i/$n" ${SANALL_FILES:-} ${SANALL_K:+-k "$SANALL_K"} ) &
+      j=$(( j + 1 ))
     done
   done
   wait
