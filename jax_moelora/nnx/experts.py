@@ -40,7 +40,7 @@ from jax_moelora.ops.folds import RowPlan, plan_rows
 __all__ = ["EXPERT_GEMMS", "ExpertGemm", "ExpertPath", "ExpertRows", "GluExperts",
            "GptOssExperts", "SharedExperts", "default_expert_init", "dense_all_rows",
            "dense_all_tokens", "expert_matmul", "expert_matmul_pair",
-           "grouped_gemm_runs_kernel", "scatter_rows", "take_slots"]
+           "grouped_gemm_runs_kernel", "per_expert", "scatter_rows", "take_slots"]
 
 Array = jax.Array
 ExpertPath = Literal["dense", "ragged"]
@@ -92,14 +92,19 @@ def take_slots(all_out: Array, topk_ids: Array) -> Array:
     return all_out[topk_ids, jnp.arange(t)[:, None]].reshape(t * k, -1)
 
 
+def per_expert(h_all: Array, w: Array) -> Array:
+    """Rows ``h_all [E, T, K]`` each through its expert's ``w [E, K, N]``:
+    ``[E, T, N]`` (a matmul batched over experts, ``w`` read in place)."""
+    return jnp.einsum("etk,ekn->etn", h_all, w)
+
+
 def dense_all_tokens(x: Array, w: Array) -> Array:
     """Every expert on every token ``x [T, K]``: ``[E, T, N]``.
 
     Written as a matmul batched over experts (``x`` broadcast), so ``w
     [E, K, N]`` is read in place: the unbatched ``"tk,ekn->ten"`` makes XLA
     transpose the whole weight on every call."""
-    xb = jnp.broadcast_to(x[None], (w.shape[0],) + x.shape)
-    return jnp.einsum("etk,ekn->etn", xb, w)
+    return per_expert(jnp.broadcast_to(x[None], (w.shape[0],) + x.shape), w)
 
 
 def scatter_rows(h: Array, topk_ids: Array, num_experts: int) -> Array:
@@ -114,7 +119,7 @@ def dense_all_rows(h: Array, w: Array, topk_ids: Array) -> Array:
     """Flat per-row inputs ``h [T * k, K]`` through their own expert, as rows
     ``(e, t)`` of ``[E, T, N]`` (rows of experts a token did not choose: zero):
     :func:`scatter_rows`, then a matmul expert by expert."""
-    return jnp.einsum("etk,ekn->etn", scatter_rows(h, topk_ids, w.shape[0]), w)
+    return per_expert(scatter_rows(h, topk_ids, w.shape[0]), w)
 
 
 def _dense_tokens(x: Array, w: Array, topk_ids: Array) -> Array:
@@ -271,7 +276,7 @@ class GluExperts(nnx.Module):
     def down_all(self, h_all: Array) -> Array:
         """Rows ``h_all [E, T, I]`` (:func:`scatter_rows` of the flat rows) ->
         base down ``[E, T, H]``, the dense path's layout."""
-        return jnp.einsum("etk,ekn->etn", h_all, self.down_proj[...].astype(self.dtype))
+        return per_expert(h_all, self.down_proj[...].astype(self.dtype))
 
 
 class GptOssExperts(nnx.Module):
