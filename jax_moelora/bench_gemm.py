@@ -20,7 +20,9 @@ measured in the same run (an in-place copy of a large buffer, a large dense
 bf16 matmul). Bytes: ``x`` once, the weights of the experts that own rows,
 the output written once (plus the touched A/B blocks with LoRA); flops ``2 M
 K N`` per weight set. ``gemm`` and ``gemm_lora`` are checked against
-``impl="jnp"`` on the same inputs (relative error by norm).
+``impl="jnp"`` on the same inputs (relative error by norm), where that
+reference (``ragged_dot``, dense on a GPU) fits :func:`reference_max_bytes`.
+``gemm.json`` and ``gemm.md`` are rewritten after every row.
 """
 
 from __future__ import annotations
@@ -192,8 +194,14 @@ def _method_fn(method: str, c: GemmCase, impl: str):
 
 def run_gemm_bench(cases: list[GemmCase], methods: tuple[str, ...], *, reps: int, runs: int,
                    warmup: int, bw_bytes: int, matmul_n: int, ragged_max_bytes: float,
-                   check: bool = True, console: Console | None = None) -> tuple[list[dict], dict]:
-    """Time every method on every case; returns the rows and the run's metadata."""
+                   check: bool = True, console: Console | None = None,
+                   out: Path | None = None) -> tuple[list[dict], dict]:
+    """Time every method on every case; returns the rows and the run's metadata.
+
+    With ``out``, ``gemm.json`` and ``gemm.md`` are rewritten after every row,
+    so a run cut short keeps what it measured. Where the jnp reference's dense
+    ``ragged_dot`` lowering would exceed :func:`reference_max_bytes`, a row is
+    timed but not checked (``check`` says so)."""
     console = console or Console()
     bandwidth = bm.measure_bandwidth(bw_bytes, reps=reps, runs=runs, warmup=warmup)
     rate = measure_matmul_rate(matmul_n, reps=reps, runs=runs, warmup=warmup)
@@ -203,6 +211,7 @@ def run_gemm_bench(cases: list[GemmCase], methods: tuple[str, ...], *, reps: int
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     console.print(f"copy {bandwidth / 1e9:,.1f} GB/s, dense bf16 matmul "
                   f"{rate / 1e12:,.1f} TFLOP/s (n = {matmul_n})")
+    ref_max_bytes = reference_max_bytes(ragged_max_bytes)
     rows = []
     for c in cases:
         inputs = make_gemm_inputs(c)
@@ -222,34 +231,65 @@ def run_gemm_bench(cases: list[GemmCase], methods: tuple[str, ...], *, reps: int
             dense = 4 * c.model.n_experts * c.rows * c.n_out
             if method == "ragged_dot" and dense > ragged_max_bytes:
                 row["skipped"] = f"dense lowering needs {dense / 2**30:.1f} GiB"
-                rows.append(row)
-                continue
-            try:
-                first = None
-                if check and method in ("gemm", "gemm_lora"):
-                    if method not in refs:
-                        ref_loop = bm.make_loop(_method_fn(method, c, "jnp"), 1)
-                        refs[method] = jax.block_until_ready(ref_loop(jnp.copy(out0), args))
-
-                    def first(out, row=row, ref=refs[method]):
-                        o, r = out.astype(jnp.float32), ref.astype(jnp.float32)
-                        err = float(jnp.linalg.norm(o - r) / jnp.maximum(jnp.linalg.norm(r), 1e-30))
-                        row["check_err"] = err
-                        row["check"] = "ok" if err <= TOLERANCE[jnp.dtype(out.dtype)] else "MISMATCH"
-
-                # every call unrolled for the custom call, 8 per loop step for ragged_dot
-                unroll = reps if method != "ragged_dot" else min(8, reps)
-                loop = bm.make_loop(_method_fn(method, c, "auto"), reps, unroll)
-                t = bm.time_loop(loop, out0, args, reps=reps, runs=runs, warmup=warmup,
-                                 first=first)
-                row["time_us"] = t * 1e6
-                row["pct_floor"] = 100.0 * row["floor_us"] / row["time_us"]
-            except Exception as err:  # noqa: BLE001 - reported per row, the run goes on
-                row["error"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-                console.print(f"[red]error[/] {c.label} {method}: {row['error']}")
+            else:
+                _time_row(row, c, method, args, out0, refs, dense > ref_max_bytes,
+                          reps=reps, runs=runs, warmup=warmup, check=check, console=console)
             rows.append(row)
+            console.print(f"{c.label} {method}: {_fmt(row['time_us'])} µs "
+                          f"({_fmt(row['pct_floor'], 0)} % floor) "
+                          f"{row['skipped'] or row['error'] or row['check'] or ''}")
+            if out is not None:
+                write_gemm_outputs(rows, meta, out)
         refs.clear()
     return rows, meta
+
+
+def reference_max_bytes(ragged_max_bytes: float) -> float:
+    """The largest dense ``ragged_dot`` intermediate the check's jnp reference
+    may build: half the device's memory where JAX reports it, and never less
+    than ``ragged_max_bytes`` (the bound of the timed ``ragged_dot``)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return max(ragged_max_bytes, stats.get("bytes_limit", 0) / 2)
+
+
+def _time_row(row: dict, c: GemmCase, method: str, args: dict, out0: jax.Array, refs: dict,
+              ref_too_large: bool, *, reps: int, runs: int, warmup: int, check: bool,
+              console: Console) -> None:
+    """Fill ``row``'s time (and check) for one method on one case; an error is
+    reported in the row and the run goes on."""
+    try:
+        first = None
+        # the jnp reference lowers through ragged_dot, dense on a GPU
+        if check and method in ("gemm", "gemm_lora") and ref_too_large:
+            row["check"] = "not checked (reference too large)"
+        elif check and method in ("gemm", "gemm_lora"):
+            if method not in refs:
+                ref_loop = bm.make_loop(_method_fn(method, c, "jnp"), 1)
+                refs[method] = jax.block_until_ready(ref_loop(jnp.copy(out0), args))
+
+            def first(out, row=row, ref=refs[method]):
+                o, r = out.astype(jnp.float32), ref.astype(jnp.float32)
+                err = float(jnp.linalg.norm(o - r) / jnp.maximum(jnp.linalg.norm(r), 1e-30))
+                row["check_err"] = err
+                row["check"] = "ok" if err <= TOLERANCE[jnp.dtype(out.dtype)] else "MISMATCH"
+
+        # every call unrolled for the custom call, 8 per loop step for ragged_dot
+        unroll = reps if method != "ragged_dot" else min(8, reps)
+        loop = bm.make_loop(_method_fn(method, c, "auto"), reps, unroll)
+        t = bm.time_loop(loop, out0, args, reps=reps, runs=runs, warmup=warmup,
+                         first=first)
+        row["time_us"] = t * 1e6
+        row["pct_floor"] = 100.0 * row["floor_us"] / row["time_us"]
+    except Exception as err:  # noqa: BLE001 - reported per row, the run goes on
+        row["error"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        console.print(f"[red]error[/] {c.label} {method}: {row['error']}")
+
+
+def write_gemm_outputs(rows: list[dict], meta: dict, out: Path) -> None:
+    """``gemm.json`` and ``gemm.md`` in ``out`` (rewritten after every row)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gemm.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / "gemm.md").write_text(markdown(rows))
 
 
 def _fmt(v, digits: int = 1) -> str:
@@ -303,7 +343,8 @@ def run(args: argparse.Namespace) -> int:
     rows, meta = run_gemm_bench(cases, tuple(methods), reps=reps, runs=runs, warmup=warmup,
                                 bw_bytes=bw, matmul_n=8192 if plat == "gpu" else 512,
                                 ragged_max_bytes=ragged, check=not args.no_check,
-                                console=console)
+                                console=console,
+                                out=None if args.out is None else Path(args.out))
     table = Table(title=f"expert_matmul on {meta['device']}, copy {meta['bandwidth'] / 1e9:,.0f} "
                         f"GB/s, matmul {meta['matmul_flops'] / 1e12:,.1f} TFLOP/s")
     for col in ("case", "method", "floor µs", "time µs", "% floor", "check"):
@@ -314,10 +355,6 @@ def run(args: argparse.Namespace) -> int:
                       r["skipped"] or r["error"] or r["check"] or "")
     console.print(table)
     if args.out is not None:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gemm.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        (out / "gemm.md").write_text(markdown(rows))
-        console.print(f"wrote {out / 'gemm.json'} and {out / 'gemm.md'}")
+        console.print(f"wrote {Path(args.out) / 'gemm.json'} and {Path(args.out) / 'gemm.md'}")
     bad = [r for r in rows if r["check"] == "MISMATCH" or r["error"]]
     return 1 if bad else 0

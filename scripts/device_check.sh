@@ -28,11 +28,11 @@
 #        on a machine of several GPUs the processes take the GPUs in turn)
 #        (readme: the README's GPU command without its download step, which
 #        builds the kernels and runs the demo on the GPU; it replaces build)
-#        BENCH="<bench args>"  BENCH2="<a second bench>"  TESTS="<pytest args of the suite step>"
+#        BENCH="<bench args>"  BENCH2="<a second bench>"  BENCH_S, BENCH2_S=<their timeouts, 240, 200>  TESTS="<pytest args of the suite step>"
 #        SAN_FILES="<test files of the sanitizer steps>"  SAN_K="<their -k expression>"
 #        KERNELS=<ncu name regex>  NCU_ARGS="<bench args of the ncu step>"  NCU2_ARGS="<a second one>"
 #        NCU_LAUNCHES=<launches profiled per ncu run, default 2>
-#        CMDBUF_FLAGS="<XLA_FLAGS of the cmdbuf step's second runs>"  GEMM="<bench --gemm args>"
+#        CMDBUF_FLAGS="<XLA_FLAGS of the cmdbuf step's second runs>"  GEMM="<bench --gemm args>"  GEMM_S=<its timeout, 240>
 #        (timing: the decode timing, then `demo --timing --prefill`, T = 4096, base and
 #        4 adapters with ragged_dot and expert_matmul as the grouped GEMM, into
 #        timing_prefill.json/.log; PREFILL="<its extra demo args>", PREFILL_S=<its timeout, 0 skips it>;
@@ -75,13 +75,13 @@ if has cmdbuf; then  # the same folds with XLA's command buffers forced around c
   step "cmdbuf rc=$?"
 fi
 if has bench; then
-  step bench; timeout 240 python3 -m jax_moelora bench ${BENCH:---quick --methods fast,einsum} --out "$R/bench" > "$R/bench.log" 2>&1; step "bench rc=$?"
+  step bench; timeout "${BENCH_S:-240}" python3 -m jax_moelora bench ${BENCH:---quick --methods fast,einsum} --out "$R/bench" > "$R/bench.log" 2>&1; step "bench rc=$?"
 fi
 if has bench2 && [ -n "${BENCH2:-}" ]; then
-  step bench2; timeout 200 python3 -m jax_moelora bench $BENCH2 --out "$R/bench2" > "$R/bench2.log" 2>&1; step "bench2 rc=$?"
+  step bench2; timeout "${BENCH2_S:-200}" python3 -m jax_moelora bench $BENCH2 --out "$R/bench2" > "$R/bench2.log" 2>&1; step "bench2 rc=$?"
 fi
 if has gemm; then
-  step gemm; timeout 240 python3 -m jax_moelora bench --gemm ${GEMM:---models qwen} --out "$R/gemm" > "$R/gemm.log" 2>&1; step "gemm rc=$?"
+  step gemm; timeout "${GEMM_S:-240}" python3 -m jax_moelora bench --gemm ${GEMM:---models qwen} --out "$R/gemm" > "$R/gemm.log" 2>&1; step "gemm rc=$?"
 fi
 if has timing; then
   step timing; timeout 90 python3 -m jax_moelora demo --timing --repeats 10 ${TIMING:-} --json "$R/timing.json" > "$R/timing.log" 2>&1; step "timing rc=$?"

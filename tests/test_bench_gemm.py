@@ -41,3 +41,23 @@ def test_bench_gemm_tiny_run(tmp_path):
             assert r["check"] == "ok", r
     assert data["meta"]["bandwidth"] > 0 and data["meta"]["matmul_flops"] > 0
     assert "| tiny | gate_up | 8 | gemm |" in (tmp_path / "gemm.md").read_text()
+
+
+def test_bench_gemm_times_but_does_not_check_past_the_reference_limit(tmp_path, monkeypatch):
+    # --ragged-max-gib 0: ragged_dot is skipped; a reference limit of 0: so is
+    # the check (its jnp reference lowers through ragged_dot); the GEMM rows are
+    # still timed and written
+    monkeypatch.setattr(bg, "reference_max_bytes", lambda ragged_max_bytes: 0)
+    rc = main(["bench", "--gemm", "--models", TINY, "--projs", "down", "--tokens", "8",
+               "--reps", "2", "--runs", "1", "--warmup", "1", "--ragged-max-gib", "0",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "gemm.json").read_text())["rows"]}
+    assert rows["ragged_dot"]["skipped"] and rows["ragged_dot"]["time_us"] is None
+    for method in ("gemm", "gemm_lora"):
+        assert rows[method]["time_us"] > 0
+        assert rows[method]["check"] == "not checked (reference too large)"
+
+
+def test_reference_limit_is_at_least_the_ragged_dot_limit():
+    assert bg.reference_max_bytes(3 << 30) >= 3 << 30
