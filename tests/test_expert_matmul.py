@@ -31,6 +31,7 @@ from conftest import HAS_GPU
 from _fold_cases import (DELTA_RTOL, DTYPE_IDS, DTYPES, assert_ulp_close, bits, make_route,
                          on_platform, random_row_adapter, route_folds, run_with_graphs_off,
                          to_device)
+from jax_moelora.ops import GATHER_MAX_ROWS
 from jax_moelora.reference import grouped_down_ref, round_to
 
 GPU = pytest.mark.gpu
@@ -115,7 +116,7 @@ class Case:
         return route_folds(route, adapter, e) & tok_ok & (e >= 0)
 
     def run(self, impl: str, *, lora: bool = True, glu: bool = False, stacked: bool = False,
-            jit: bool = True):
+            jit: bool = True, gather_max_rows: int = GATHER_MAX_ROWS):
         with on_platform(impl):
             pair = len(self.ws) == 2
             w = tuple(to_device(self.ws)) if pair else to_device(self.ws[0])
@@ -126,7 +127,8 @@ class Case:
             def f(x, w, gs, stids, ra, lo):
                 return ml.expert_matmul(x, w, gs, lora=lo, row_adapter=ra,
                                         sorted_token_ids=stids, x_gather=self.x_gather,
-                                        glu=glu, stacked=stacked, impl=impl)
+                                        glu=glu, stacked=stacked, impl=impl,
+                                        gather_max_rows=gather_max_rows)
 
             f = jax.jit(f) if jit else f
             out = f(args[0], w, args[1], args[2], args[3], lo)
@@ -234,6 +236,38 @@ def test_single_weight(rng, impl, dtype, x_gather, num_loras):
         # the ulp criterion holds for the CPU handlers; on a GPU XLA compiles the
         # jnp backend's dots as it chooses, and jnp and fast are held to §6's delta tolerance
         check_lora(case, out, base, case.routes[0], strict=impl == "cpu" or not HAS_GPU)
+
+
+@pytest.mark.parametrize("pair", [False, True], ids=["single", "pair"])
+@pytest.mark.parametrize("with_map", [True, False], ids=["map", "no_map"])
+@x_gathers
+@dtypes
+@impls
+def test_gather_and_grouped_folds_agree(rng, impl, dtype, x_gather, with_map, pair):
+    """Up to ``gather_max_rows`` sorted rows the LoRA is folded by the gather
+    fold, above by the grouped fold: the same rows fold and skip, and on the
+    CPU backends (jnp, cpu) the two give the same bits; the CUDA kernels are
+    each held to the reference fold."""
+    case = make_case(rng, dtype=dtype, num_loras=4, pair=pair, x_gather=x_gather,
+                     with_map=with_map or bool(x_gather), ranks=(8, 16, 32, 64), max_rank=64)
+    assert case.M <= GATHER_MAX_ROWS
+    gathered = case.run(impl)
+    grouped = case.run(impl, gather_max_rows=case.M - 1)
+    base = case.run(impl, lora=False)
+    for i in range(len(case.ws)):
+        g, s, b = ((gathered[i], grouped[i], base[i]) if pair else (gathered, grouped, base))
+        if impl == "fast":
+            for out in (g, s):
+                check_lora(case, out, b, case.routes[i], strict=False)
+        else:
+            np.testing.assert_array_equal(bits(g), bits(s))
+            check_lora(case, g, b, case.routes[i], strict=impl == "cpu")
+
+
+def test_gather_max_rows_must_be_an_int(rng):
+    case = make_case(rng)
+    with pytest.raises(TypeError, match="gather_max_rows"):
+        case.run("jnp", gather_max_rows=2.0)
 
 
 @pytest.mark.parametrize("dtype, x_gather, num_loras", [
@@ -527,15 +561,17 @@ def test_fast_model_shapes(pair):
     (8, (8,)), (24, (8, 24)), (48, (16, 40, 48)), (64, (32, 64)), (128, (72, 128))],
     ids=["r8", "r24", "r48", "r64", "r128"])
 @pytest.mark.parametrize("pair", [False, True], ids=["single", "one_sided_pair"])
+@pytest.mark.parametrize("gather_max_rows", [GATHER_MAX_ROWS, 0], ids=["gather", "grouped"])
 @dtypes
-def test_fast_lora_ranks_and_partial_tiles(rng, dtype, pair, max_rank, ranks):
+def test_fast_lora_ranks_and_partial_tiles(rng, dtype, pair, max_rank, ranks, gather_max_rows):
     """The CUDA path with LoRA at ranks 8 to 128 (zero-padded ranks included),
     over 5 experts with partial 128-row tiles, N = 200 (a partial 128-column
     GEMM tile), 4 adapters mixed within every 16-row slab, adapted and
     unadapted cells: rows without an adapter bit-identical to the GEMM alone,
     folded rows within the delta tolerance of the reference fold of that
     output. As a gate/up pair with only up adapted, gate is the GEMM alone,
-    bit for bit."""
+    bit for bit. Both folds: the gather fold after the GEMM (300 rows, the
+    default) and the grouped fold in the GEMM's custom call."""
     if dtype == jnp.float32:
         pytest.skip("the CUDA GEMM takes bf16 and f16")
     case = make_case(rng, dtype=dtype, num_loras=4, pair=pair, E=5, K=96, N=200, M=300,
@@ -543,7 +579,7 @@ def test_fast_lora_ranks_and_partial_tiles(rng, dtype, pair, max_rank, ranks):
     if pair:
         case = dataclasses.replace(case, routes=(None, case.routes[1]))
     base = case.run("fast", lora=False)
-    out = case.run("fast")
+    out = case.run("fast", gather_max_rows=gather_max_rows)
     if pair:
         np.testing.assert_array_equal(bits(out[0]), bits(base[0]))
         out, base = out[1], base[1]

@@ -21,7 +21,11 @@ Backends: ``"jnp"`` and ``"cpu"`` run ``jax.lax.ragged_dot`` and the fold
 with that impl; ``"fast"`` runs one custom call (CUTLASS grouped GEMM on sm90,
 then the fast grouped fold in the same handler) for bf16/f16 when the
 extension holds the kernel and ``K`` and ``N`` are multiples of 8, else the
-``"jnp"`` path. ``"auto"`` is ``"fast"`` on a GPU, ``"cpu"`` on the CPU.
+``"jnp"`` path. ``"auto"`` is ``"fast"`` on a GPU, ``"cpu"`` on the CPU. Up
+to ``gather_max_rows`` sorted rows the fold is the gather fold instead (one
+flat row per sorted row, after the GEMM; with ``"fast"`` the GEMM's custom
+call, then the gather fold's): the same fold, whose kernels suit few rows
+per (adapter, expert) cell.
 
 Gradients (``jax.grad`` w.r.t. ``x``, ``w`` and the LoRA pools and scales)
 come from one ``custom_vjp`` shared by every backend: the GEMM's through
@@ -40,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moelora import _ext
-from jax_moelora.ops import autodiff, expert_matmul_ffi, launch
-from jax_moelora.ops.folds import resolve_impl
+from jax_moelora.ops import autodiff, expert_matmul_ffi, jnp_fold, launch
+from jax_moelora.ops.folds import GATHER_MAX_ROWS, resolve_impl
 from jax_moelora.ops.jnp_fold import rounded
 from jax_moelora.tables import FLOAT_DTYPES, MoeExpertRoute
 
@@ -157,6 +161,7 @@ class _Cfg(NamedTuple):
     impl: str          # "jnp", "cpu" or "fast" (resolved)
     has_ra: bool       # a row-adapter map is passed
     pdl: bool = True   # programmatic dependent launch of the fold (ops/launch.py)
+    gather: bool = False  # the LoRA folded by the gather fold (M <= gather_max_rows)
 
 
 def _ragged(xs, w, offsets):
@@ -176,6 +181,22 @@ def _fold(impl: str, xs, base, offsets, stids, route, ra):
                                  row_end=base.shape[0], x_gather=0, impl=impl)
 
 
+def _fold_as_gather(impl: str, xs, base, offsets, stids, route, ra):
+    """The same fold as :func:`_fold`, run by the gather fold: each sorted row
+    gets the expert and adapter the grouped fold's rules give it (-1, so no
+    fold, where they skip it), then one flat row per sorted row (``top_k`` 1,
+    ``x_gather`` 0). The fold of few rows per (adapter, expert) cell: the
+    gather kernels spread its rows over the GPU, where the grouped kernels
+    walk a tile's cells one after the other."""
+    if route is None:
+        return base
+    m = base.shape[0]
+    expert, _, adapter, ok_tok = jnp_fold.grouped_rows(offsets, stids, ra, x_rows=xs.shape[0],
+                                                       row_offset=0, row_end=m, x_gather=0)
+    ids = jnp.where(ok_tok, expert, -1)
+    return autodiff.gather_bgmv(xs, base, ids, route, adapter, top_k=1, x_gather=0, impl=impl)
+
+
 def uses_kernel(dtype, K: int, N: int) -> bool:
     """Whether ``impl="fast"`` runs the CUTLASS kernel for these operands (else
     it runs ``ragged_dot`` and the fast fold): built, on an sm_90 GPU, bf16 or
@@ -187,11 +208,19 @@ def uses_kernel(dtype, K: int, N: int) -> bool:
 def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra):
     """``[len(ws), M, N]``: weight set ``i``'s folded output is plane ``i``."""
     ra = ra if cfg.has_ra else None
-    if cfg.impl == "fast" and uses_kernel(xs.dtype, ws[0].shape[1], ws[0].shape[2]):
+    kernel = cfg.impl == "fast" and uses_kernel(xs.dtype, ws[0].shape[1], ws[0].shape[2])
+    gather = cfg.gather and any(r is not None for r in routes)
+    if kernel and not gather:  # the GEMM and the grouped fold in one custom call
         return expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes, ra, cfg.pdl)
+    if kernel:
+        bases = expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, (None,) * len(ws),
+                                                    None, cfg.pdl)
+    else:
+        bases = [_ragged(xs, w, offsets) for w in ws]
+    fold = _fold_as_gather if gather else _fold
     fold_impl = "cpu" if cfg.impl == "cpu" else ("fast" if cfg.impl == "fast" else "jnp")
-    return jnp.stack([_fold(fold_impl, xs, _ragged(xs, w, offsets), offsets, stids, r, ra)
-                      for w, r in zip(ws, routes)])
+    return jnp.stack([fold(fold_impl, xs, b, offsets, stids, r, ra)
+                      for b, r in zip(bases, routes)])
 
 
 @functools.cache
@@ -241,7 +270,8 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
                   lora: MoeExpertRoute | Sequence[MoeExpertRoute | None] | None = None,
                   row_adapter: jax.Array | None = None,
                   sorted_token_ids: jax.Array | None = None, x_gather: int = 0,
-                  glu: bool = False, stacked: bool = False, impl: Impl = "auto"):
+                  glu: bool = False, stacked: bool = False, impl: Impl = "auto",
+                  gather_max_rows: int = GATHER_MAX_ROWS):
     """Grouped expert GEMM over expert-sorted rows, with the LoRA delta folded in.
 
     Weights use ``ragged_dot``'s layout ``[E, K, N]`` (``out = x @ w[e]``): a
@@ -272,6 +302,11 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
         instead of two: the layout a ``StackedRoute`` fold takes, which the
         kernel writes in place (no copy).
       impl: ``"auto"``, ``"fast"``, ``"cpu"`` or ``"jnp"`` (module docstring).
+      gather_max_rows: up to this many sorted rows (``M``) the LoRA is folded
+        by the gather fold, one flat row per sorted row, after the GEMM; above,
+        by the grouped fold (with ``"fast"``, in the GEMM's custom call). The
+        same rows fold with the same roundings either way (the rule of
+        ``moe_lora_fold``, whose default it shares).
 
     Returns:
       ``[M, N]`` in x's dtype; for a pair, ``(gate [M, N], up [M, N])``,
@@ -322,6 +357,10 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
                              f"{num_tokens} tokens")
     if impl not in EXPERT_MATMUL_IMPLS:
         raise ValueError(f"expert_matmul: impl must be one of {EXPERT_MATMUL_IMPLS}, got {impl!r}")
+    if isinstance(gather_max_rows, (bool, float)) or not isinstance(gather_max_rows,
+                                                                     (int, np.integer)):
+        raise TypeError(f"expert_matmul: gather_max_rows must be a Python int, got "
+                        f"{gather_max_rows!r}")
     impl = resolve_impl(impl)
 
     stids = (jnp.arange(M, dtype=jnp.int32) if sorted_token_ids is None
@@ -338,7 +377,8 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
     ra = row_adapter if (has_lora and row_adapter is not None) else None
     offsets = expert_offsets(group_sizes, M)
     routes = tuple(None if r is None else jax.tree_util.tree_map(jnp.asarray, r) for r in routes)
-    cfg = _Cfg(impl, ra is not None, launch.programmatic_launch_enabled())
+    cfg = _Cfg(impl, ra is not None, launch.programmatic_launch_enabled(),
+               M <= gather_max_rows)
     ra_arg = ra if ra is not None else jnp.zeros((1,), jnp.int32)
     out = _op(cfg)(xs, tuple(ws), offsets, stids, routes, ra_arg)  # [len(ws), M, N]
     if not pair:
