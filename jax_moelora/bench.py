@@ -59,9 +59,9 @@ with needs_extra("bench", "jax_moelora.bench"):
     from rich.table import Table
 
 from jax_moelora import bench_methods as bm
-from jax_moelora.bench_cases import (DECODE_TOKENS, MODELS, PREFILL_TOKENS, PROJECTIONS, Case,
-                                     case_grid, floor_bytes, make_inputs, make_routing,
-                                     parse_model)
+from jax_moelora.bench_cases import (DECODE_MAX_TOKENS, DECODE_TOKENS, MODELS, PREFILL_TOKENS,
+                                     PROJECTIONS, Case, case_grid, floor_bytes, make_inputs,
+                                     make_routing, parse_model)
 
 __all__ = ["add_arguments", "run", "run_bench", "merge_runs", "Settings", "PROTOCOL_REPS",
            "PROTOCOL_RUNS", "ROW_FIELDS"]
@@ -130,8 +130,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "name:experts:top_k:hidden:inter), comma-separated")
     parser.add_argument("--projs", type=_names, default=None, help="gate and/or down")
     parser.add_argument("--tokens", type=_ints, default=None,
-                        help=f"token counts (<= 256: decode, gather fold; larger: prefill, grouped "
-                             f"fold); default {DECODE_TOKENS + PREFILL_TOKENS}")
+                        help=f"token counts (<= --decode-max-tokens: decode, gather fold; larger: "
+                             f"prefill, grouped fold); default {DECODE_TOKENS + PREFILL_TOKENS}")
+    parser.add_argument("--decode-max-tokens", type=int, default=DECODE_MAX_TOKENS,
+                        help=f"the largest token count timed as a decode case (default "
+                             f"{DECODE_MAX_TOKENS}); raise it to time the gather fold at prefill "
+                             "sizes")
     parser.add_argument("--ranks", type=_ints, default=None, help="LoRA ranks (default 16,64)")
     parser.add_argument("--adapters", type=_ints, default=None,
                         help="adapters spread over the tokens (default 1,4)")
@@ -195,8 +199,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     bw = int(args.bw_mib * 2**20) if args.bw_mib else BW_BYTES[plat]
     ragged = (args.ragged_max_gib * 2**30 if args.ragged_max_gib is not None
               else RAGGED_MAX_BYTES[plat])
+    if args.decode_max_tokens < 0:
+        raise ValueError("--decode-max-tokens must be >= 0")
     cases = case_grid([parse_model(m) for m in models], projs, tokens, ranks, adapters,
-                      seed=args.seed)
+                      seed=args.seed, decode_max_tokens=args.decode_max_tokens)
     warmup = args.warmup or (QUICK_CPU_WARMUP if small else 2)
     return Settings(cases=cases, methods=tuple(methods), reps=reps, runs=runs,
                     warmup=max(1, warmup), unroll=args.unroll, bw_bytes=bw,
@@ -423,8 +429,8 @@ def merge_runs(paths: Sequence[Path]) -> tuple[list[dict], dict]:
 
     Rows keep their own ``bandwidth`` and ``pct_floor`` (docs/semantics.md §7: the floor
     of a row comes from the bandwidth measured in its run). A later file's
-    row replaces an earlier one of the same case and method; the order of
-    first appearance is kept.
+    row replaces an earlier one of the same case (phase included) and method;
+    the order of first appearance is kept.
     """
     if not paths:
         raise ValueError("--merge needs at least one bench.json")
@@ -440,8 +446,8 @@ def merge_runs(paths: Sequence[Path]) -> tuple[list[dict], dict]:
         runs.append({"file": str(path), "rows": len(rows),
                      **{k: meta.get(k) for k in ("device", "bandwidth", "reps", "runs", "time")}})
         for r in rows:
-            merged[tuple(r[k] for k in ("model", "proj", "tokens", "rank", "adapters",
-                                        "method"))] = r
+            merged[tuple(r.get(k) for k in ("model", "proj", "tokens", "phase", "rank",
+                                            "adapters", "method"))] = r
     bws = [r["bandwidth"] for r in runs if r["bandwidth"]]
     meta = {**metas[0], "merged": runs,
             "bandwidth": min(bws) if bws else 0.0, "bandwidth_max": max(bws) if bws else 0.0}

@@ -6,8 +6,8 @@ are built on the host with a seeded NumPy generator (``top_k`` distinct
 experts per token, one adapter per token, every (adapter, expert) pair
 adapted) and put on the device once; the timed programs never see the host.
 
-Decode cases (``tokens <= DECODE_MAX_TOKENS``) use the gather fold on the
-unsorted flat rows; prefill cases use the grouped fold on rows that are
+Decode cases (``tokens <= decode_max_tokens``, by default
+``DECODE_MAX_TOKENS``) use the gather fold on the unsorted flat rows; prefill cases use the grouped fold on rows that are
 already sorted by expert and, within an expert, by adapter (the order
 ``moe_lora_fold`` and ``MoEBlock`` fold in: ``ops.sort_rows_by_expert``; the
 sort is done here, outside the timed region).
@@ -92,6 +92,7 @@ class Case:
     rank: int
     adapters: int
     seed: int = 0
+    decode_max_tokens: int = DECODE_MAX_TOKENS  # up to it the gather fold, above the grouped
 
     @property
     def x_gather(self) -> int:
@@ -107,7 +108,7 @@ class Case:
 
     @property
     def phase(self) -> str:
-        return "decode" if self.tokens <= DECODE_MAX_TOKENS else "prefill"
+        return "decode" if self.tokens <= self.decode_max_tokens else "prefill"
 
     @property
     def n_rows(self) -> int:
@@ -122,15 +123,16 @@ class Case:
 def case_grid(models: Sequence[Model], projs: Sequence[str] = PROJECTIONS,
               tokens: Sequence[int] = DECODE_TOKENS + PREFILL_TOKENS,
               ranks: Sequence[int] = (16, 64), adapters: Sequence[int] = (1, 4),
-              seed: int = 0) -> list[Case]:
-    """Every combination, in the order model, projection, rank, adapters, tokens."""
+              seed: int = 0, decode_max_tokens: int = DECODE_MAX_TOKENS) -> list[Case]:
+    """Every combination, in the order model, projection, rank, adapters, tokens;
+    token counts up to ``decode_max_tokens`` are decode cases (gather fold)."""
     for p in projs:
         if p not in PROJECTIONS:
             raise ValueError(f"projection must be one of {PROJECTIONS}, got {p!r}")
     for name, vals in (("tokens", tokens), ("ranks", ranks), ("adapters", adapters)):
         if any(int(v) < 1 for v in vals):
             raise ValueError(f"{name} must be positive, got {list(vals)}")
-    return [Case(m, p, int(t), int(r), int(l), seed)
+    return [Case(m, p, int(t), int(r), int(l), seed, int(decode_max_tokens))
             for m, p, r, l, t in itertools.product(models, projs, ranks, adapters, tokens)]
 
 

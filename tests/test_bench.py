@@ -113,6 +113,32 @@ def test_quick_settings():
     assert set(s.methods) >= set(bm.BASELINES)
 
 
+def test_decode_max_tokens_moves_the_gather_fold_boundary():
+    grid = bc.case_grid([bc.MODELS["Qwen3-30B-A3B"]], ("gate",), (256, 512, 1024), (16,), (4,),
+                        decode_max_tokens=512)
+    assert [c.phase for c in grid] == ["decode", "decode", "prefill"]
+
+
+def test_merge_keeps_the_same_case_in_both_phases(tmp_path):
+    """A token count timed as decode in one run and as prefill in another:
+    both rows survive the merge (the phase is part of a row's key)."""
+    def run(*extra):
+        p = argparse.ArgumentParser()
+        bench.add_arguments(p)
+        return bench.run(p.parse_args(list(extra) + ["--no-plot"]))
+
+    case = ["--models", TINY, "--projs", "down", "--tokens", "6", "--ranks", "8", "--adapters",
+            "2", "--methods", "jnp", "--reps", "2", "--runs", "1", "--warmup", "1",
+            "--bw-mib", "4"]
+    assert run(*case, "--out", str(tmp_path / "d")) == 0
+    assert run(*case, "--decode-max-tokens", "4", "--out", str(tmp_path / "p")) == 0
+    assert run("--merge", str(tmp_path / "d" / "bench.json"), str(tmp_path / "p" / "bench.json"),
+               "--out", str(tmp_path / "m")) == 0
+    rows = json.loads((tmp_path / "m" / "bench.json").read_text())["rows"]
+    assert sorted(r["phase"] for r in rows) == ["decode", "prefill"]
+    assert all(r["time_us"] > 0 and r["error"] is None for r in rows)
+
+
 # -------------------------------------------------------------- baselines
 
 def _messy_inputs(phase: str, proj: str, adapters: int) -> bc.CaseInputs:
