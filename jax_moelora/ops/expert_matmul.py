@@ -359,7 +359,7 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
         raise ValueError(f"expert_matmul: impl must be one of {EXPERT_MATMUL_IMPLS}, got {impl!r}")
     if isinstance(gather_max_rows, (bool, float)) or not isinstance(gather_max_rows,
                                                                      (int, np.integer)):
-        raise TypeError(f"expert_matmul: gather_max_rows must be a Python int, got "
+        raise TypeError(f"expert_matmul: gather_max_rows must be an int, got "
                         f"{gather_max_rows!r}")
     impl = resolve_impl(impl)
 
