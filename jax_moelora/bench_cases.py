@@ -7,8 +7,9 @@ experts per token, one adapter per token, every (adapter, expert) pair
 adapted) and put on the device once; the timed programs never see the host.
 
 Decode cases (``tokens <= decode_max_tokens``, by default
-``DECODE_MAX_TOKENS``) use the gather fold on the unsorted flat rows; prefill cases use the grouped fold on rows that are
-already sorted by expert and, within an expert, by adapter (the order
+``DECODE_MAX_TOKENS``) use the gather fold on the unsorted flat rows;
+prefill cases use the grouped fold on rows that are already sorted by
+expert and, within an expert, by adapter (the order
 ``moe_lora_fold`` and ``MoEBlock`` fold in: ``ops.sort_rows_by_expert``; the
 sort is done here, outside the timed region).
 """
