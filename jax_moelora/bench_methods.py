@@ -44,6 +44,7 @@ from jax_moelora import _ext
 from jax_moelora.bench_cases import Case, CaseInputs
 from jax_moelora.ops import moe_lora_gather_bgmv, moe_lora_grouped_down
 from jax_moelora.ops.jnp_fold import resolve_pairs
+from jax_moelora.ops.search import searchsorted
 
 __all__ = ["LIBRARY_METHODS", "CUSTOM_CALL_METHODS", "BASELINES", "ALL_METHODS",
            "default_methods", "make_fold",
@@ -115,7 +116,7 @@ def _row_keys(case: Case, a: dict[str, Any]):
         expert = a["indices"]
     else:
         offsets = a["expert_offsets"]
-        e = jnp.searchsorted(offsets, r, side="right").astype(jnp.int32) - 1
+        e = searchsorted(offsets, r, side="right") - 1
         in_span = (e >= 0) & (e < offsets.shape[0] - 1)
         in_span = in_span & (r < offsets[jnp.clip(e + 1, 0, offsets.shape[0] - 1)])
         expert = jnp.where(in_span, e, -1)

@@ -25,6 +25,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from jax_moelora.int_range import check_int32_values
+from jax_moelora.ops.search import searchsorted
 
 __all__ = [
     "Route",
@@ -376,7 +377,7 @@ def build_moe_row_adapter(cu_seqlens: Any, adapter_slots: Any,
     t = jnp.arange(n, dtype=jnp.int32)
     # the stream holding token t: the last b with cu[b] <= t (empty streams
     # are passed over because their end equals the next stream's start).
-    b = jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1
+    b = searchsorted(cu, t, side="right") - 1
     inside = (t < cu[batch]) & (b >= 0) & (b < batch)
     m = jnp.where(inside, slots[jnp.clip(b, 0, batch - 1)], jnp.int32(-1))
     return jnp.where(valid, m, empty), valid

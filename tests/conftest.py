@@ -26,14 +26,17 @@ HOST_CALLBACKS = ("callback", "debug_print", "debug_callback", "pure_callback", 
 
 
 def assert_pure_device(fn, *args) -> None:
-    """``fn(*args)`` traces to a jaxpr and an HLO module with no host callback
-    and no custom call (routing and table packing are traced jnp)."""
+    """``fn(*args)`` traces to a jaxpr and an HLO module with no host callback,
+    no custom call and no while loop (routing and table packing are traced
+    jnp; on the GPU a while loop reads its predicate back to the host every
+    step)."""
     jaxpr = str(jax.make_jaxpr(fn)(*args))
     hlo = jax.jit(fn).lower(*args).as_text()
     for word in HOST_CALLBACKS:
         assert word not in jaxpr, f"{word} in jaxpr"
         assert word not in hlo, f"{word} in HLO"
     assert "custom_call" not in hlo
+    assert "while" not in jaxpr and "stablehlo.while" not in hlo, "a while loop"
 
 
 def pytest_addoption(parser):

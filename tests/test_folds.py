@@ -24,8 +24,9 @@ from _fold_cases import (DELTA_RTOL, DTYPE_IDS, DTYPES, assert_ulp_close, bits, 
                          make_gather_case, make_grouped_case, make_route, on_platform,
                          random_expert_ids,
                          run_with_graphs_off, stack_routes, to_device)
-from conftest import HAS_GPU
+from conftest import HAS_GPU, assert_pure_device
 from jax_moelora.ops import sort_rows_by_expert
+from jax_moelora.ops.jnp_fold import grouped_rows
 
 GPU = pytest.mark.gpu
 CUDA_IMPLS = [pytest.param("seed", marks=GPU), pytest.param("fast", marks=GPU)]
@@ -596,3 +597,17 @@ def test_sort_rows_by_expert_checks_row_adapter():
         sort_rows_by_expert(topk, 3, jnp.zeros((4,), jnp.float32), 2)
     with pytest.raises(ValueError, match="num_adapters must be an int >= 0"):
         sort_rows_by_expert(topk, 3, jnp.zeros((4,), jnp.int32), -1)
+
+
+def test_row_sort_and_grouped_rows_have_no_host_round_trip(rng):
+    """What a layer runs before its grouped folds (the row sort and its expert
+    offsets, each sorted row's expert and adapter) is traced jnp with no host
+    callback, no custom call and no while loop, whose every step the GPU
+    reads back to the host."""
+    T, k, E, L = 512, 8, 128, 4
+    topk = jnp.asarray(rng.integers(0, E, size=(T, k)).astype(np.int32))
+    ra = jnp.asarray(rng.integers(-1, L, size=T).astype(np.int32))
+    assert_pure_device(lambda t, r: sort_rows_by_expert(t, E, r, L), topk, ra)
+    _, offsets, stok = sort_rows_by_expert(topk, E, ra, L)
+    assert_pure_device(lambda o, s, r: grouped_rows(o, s, r, x_rows=T, row_offset=0,
+                                                    row_end=T * k, x_gather=1), offsets, stok, ra)

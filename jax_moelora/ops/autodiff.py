@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from jax_moelora.ops import batching, jnp_fold, launch
 from jax_moelora.ops.batching import GatherCfg, GroupedCfg
 from jax_moelora.ops.jnp_fold import rounded
+from jax_moelora.ops.search import searchsorted
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["gather_bgmv", "grouped_down", "backward_mode", "tile_rows", "fold_rows_vjp",
@@ -154,7 +155,7 @@ def _bwd_tiled(x, route, g_rows, xi, cell, ok):
     src = jnp.full((n_pad,), m, jnp.int32).at[pos].set(order, mode="drop")  # slot -> row
     live = src < m
     srcc = jnp.where(live, src, 0)
-    tile_cell = jnp.searchsorted(tile_end, jnp.arange(n_tiles, dtype=jnp.int32), side="right")
+    tile_cell = searchsorted(tile_end, jnp.arange(n_tiles, dtype=jnp.int32), side="right")
     tile_live = tile_cell < G
     tcc = jnp.clip(tile_cell, 0, G - 1).astype(jnp.int32)
     a_t = jnp.where(tile_live, route.a_table.reshape(-1)[tcc], 0)

@@ -32,6 +32,7 @@ from jax_moelora.ops import autodiff, contract
 from jax_moelora.ops.batching import virtual_ids
 from jax_moelora.ops.stacked import StackedRoute, fold_stacked
 from jax_moelora.tables import MoeExpertRoute
+from jax_moelora.ops.search import searchsorted
 
 __all__ = ["moe_lora_gather_bgmv", "moe_lora_grouped_down", "moe_lora_fold", "resolve_impl",
            "IMPLS", "GATHER_MAX_ROWS", "RowPlan", "plan_rows", "fold_planned",
@@ -416,7 +417,7 @@ def sort_rows_by_expert(topk_ids: jax.Array, n_experts: int,
         key = e * m + jnp.repeat(slot, top_k, total_repeat_length=flat.shape[0])
         bounds = jnp.arange(n_experts + 1, dtype=jnp.int32) * m
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    offsets = jnp.searchsorted(key[order], bounds, side="left").astype(jnp.int32)
+    offsets = searchsorted(key[order], bounds, side="left")
     return order, offsets, order // top_k
 
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_moelora.ops.contract import offsets_well_formed
+from jax_moelora.ops.search import searchsorted
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["resolve_pairs", "apply_rows", "gather_bgmv_jnp", "grouped_rows", "window_out_rows",
@@ -108,7 +109,7 @@ def grouped_rows(expert_offsets, sorted_token_ids, row_adapter, *, x_rows: int,
     """
     num_experts = expert_offsets.shape[0] - 1
     r = jnp.arange(row_offset, row_end, dtype=jnp.int32)
-    e = jnp.searchsorted(expert_offsets, r, side="right").astype(jnp.int32) - 1
+    e = searchsorted(expert_offsets, r, side="right") - 1
     ec = jnp.clip(e, 0, num_experts - 1)
     in_span = (e >= 0) & (e < num_experts) & (r < expert_offsets[ec + 1])
     in_span = in_span & offsets_well_formed(expert_offsets, sorted_token_ids.shape[0])
