@@ -58,7 +58,7 @@ from jax_moelora.nnx import (
     Qwen3MoE,
 )
 from jax_moelora.nnx.experts import EXPERT_GEMMS, grouped_gemm_runs_kernel
-from jax_moelora.ops.folds import GATHER_MAX_ROWS, IMPLS, resolve_impl
+from jax_moelora.ops.folds import GATHER_MAX_ROWS, GATHER_ROWS_PER_EXPERT, IMPLS, resolve_impl
 from jax_moelora.peft import ProjectionLoRA, load_peft_adapter, save_peft_adapter
 
 __all__ = ["ModelConfig", "DemoModel", "DEMO_FAMILIES", "SIZES", "TOLERANCES", "add_arguments",
@@ -111,7 +111,7 @@ class DemoModel(nnx.Module):
     a call runs every layer in one traced program."""
 
     def __init__(self, cfg: ModelConfig, *, impl: str = "auto", expert_path: str = "auto",
-                 expert_gemm: str = "auto", gather_max_rows: int = GATHER_MAX_ROWS,
+                 expert_gemm: str = "auto", gather_max_rows: int | None = None,
                  rngs: nnx.Rngs):
         dt = _DTYPES[cfg.dtype]
         self.cfg = cfg
@@ -175,10 +175,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-gemm", choices=EXPERT_GEMMS, default="auto",
                         help="grouped GEMM of the ragged path (see MoEBlock; --prefill times "
                              "ragged_dot and expert_matmul)")
-    parser.add_argument("--gather-max-rows", type=int, default=GATHER_MAX_ROWS,
+    parser.add_argument("--gather-max-rows", type=int, default=None,
                         help="batches of at most this many T * top_k rows take the gather fold "
                              "in flat row order, larger ones are sorted by expert (see MoEBlock; "
-                             f"default {GATHER_MAX_ROWS}; 0 sorts every batch)")
+                             f"default max({GATHER_MAX_ROWS}, {GATHER_ROWS_PER_EXPERT} * experts); "
+                             "0 sorts every batch)")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank in --timing (16)")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
@@ -631,14 +632,15 @@ def _run_timing(args, impl: str, console) -> int:
 
     dtype, T, cfg = _timing_config(args, default_tokens=64)
     inner = args.steps
+    model = DemoModel(cfg, impl=impl, expert_path=args.expert_path,
+                      expert_gemm=args.expert_gemm, gather_max_rows=args.gather_max_rows,
+                      rngs=nnx.Rngs(args.seed))
+    gather_max_rows = model.blocks[0].gather_max_rows
     console.print(f"[bold]jax_moelora decode timing[/bold]: {cfg.layers} x {cfg.family} MoE "
                   f"layer (E "
                   f"{cfg.experts}, top_k {cfg.top_k}, hidden {cfg.hidden}, inter {cfg.inter}), "
                   f"T {T}, rank {args.rank}, 4 adapters, {dtype}, impl {impl}, expert path "
-                  f"{args.expert_path}, gather_max_rows {args.gather_max_rows} on {_device()}")
-    model = DemoModel(cfg, impl=impl, expert_path=args.expert_path,
-                      expert_gemm=args.expert_gemm, gather_max_rows=args.gather_max_rows,
-                      rngs=nnx.Rngs(args.seed))
+                  f"{args.expert_path}, gather_max_rows {gather_max_rows} on {_device()}")
     _install_random_adapters(model, args.rank, args.seed)
     graphdef, state = nnx.split(model)
     h = jax.random.normal(jax.random.key(args.seed + 3), (T, cfg.hidden), jnp.float32)
@@ -677,7 +679,7 @@ def _run_timing(args, impl: str, console) -> int:
             mode="timing", backend=jax.default_backend(), device=_device(), impl=impl,
             dtype=dtype, tokens=T, rank=args.rank, config=dataclasses.asdict(cfg),
             expert_path=args.expert_path, expert_gemm=args.expert_gemm,
-            gather_max_rows=args.gather_max_rows, steps_per_run=inner,
+            gather_max_rows=gather_max_rows, steps_per_run=inner,
             repeats=args.repeats, results=results,
             overhead_percent=100.0 * (lora - base) / base), indent=2))
     return 0

@@ -34,7 +34,7 @@ from _fold_cases import (DTYPE_IDS, DTYPES, INT32_MAX, INT32_MIN, bits, check_fo
 from _transform_cases import make_case
 from jax_moelora import moe_lora_fold, stack_routes
 from jax_moelora.ops import autodiff, folds, jnp_fold
-from jax_moelora.ops.folds import fold_planned, plan_rows
+from jax_moelora.ops.folds import fold_planned, gather_rows_limit, plan_rows
 
 GPU = pytest.mark.gpu
 CUDA_IMPLS = [pytest.param("seed", marks=GPU), pytest.param("fast", marks=GPU)]
@@ -243,3 +243,25 @@ def test_out_rows_is_not_public():
 
     for fn in (moe_lora_grouped_down, fold_planned, autodiff.grouped_down):
         assert ("out_rows" in inspect.signature(fn).parameters) is (fn is autodiff.grouped_down)
+
+
+@pytest.mark.parametrize("num_experts, gather_max_rows, n_rows, grouped", [
+    (128, None, 96 * 128, False),   # Qwen3: up to 96 rows an expert on average
+    (128, None, 96 * 128 + 8, True),
+    (64, None, 96 * 64, False),     # DeepSeek-V2-Lite
+    (8, None, 2048, False),         # Mixtral: the 2,048-row floor
+    (8, None, 2056, True),
+    (128, 0, 8, True),              # an explicit limit replaces the rule
+    (8, 4096, 4096, False),
+])
+def test_which_fold_runs(num_experts, gather_max_rows, n_rows, grouped):
+    """docs/design.md, "Which fold runs": the gather fold up to
+    ``max(GATHER_MAX_ROWS, GATHER_ROWS_PER_EXPERT * E)`` flat rows, or up to
+    ``gather_max_rows`` when it is given; the grouped fold above."""
+    assert (folds.GATHER_MAX_ROWS, folds.GATHER_ROWS_PER_EXPERT) == (2048, 96)
+    top_k = 8
+    ids = jnp.zeros((n_rows // top_k, top_k), jnp.int32)
+    plan = plan_rows(ids, num_experts, gather_max_rows=gather_max_rows)
+    assert plan.grouped is grouped
+    limit = gather_rows_limit(num_experts, gather_max_rows)
+    assert (n_rows > limit) is grouped

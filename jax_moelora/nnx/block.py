@@ -48,9 +48,9 @@ from jax_moelora.nnx.lora import MoELoRA, MoELoRARoutes, default_a_initializer
 from jax_moelora.nnx.routers import Router
 from jax_moelora.ops.dense_fold import fold_dense_experts
 from jax_moelora.ops.folds import (
-    GATHER_MAX_ROWS,
     fold_planned,
     fold_token_projections,
+    gather_rows_limit,
     moe_lora_gather_bgmv,
     plan_rows,
 )
@@ -105,7 +105,8 @@ class MoEBlock(nnx.Module):
       gather_max_rows: batches of at most this many ``T * top_k`` rows fold
         with the gather fold in flat row order (decode); larger ones are
         sorted by expert (and adapter) once and take the grouped fold
-        (prefill).
+        (prefill). None (default): ``gather_rows_limit(num_experts)``,
+        ``max(2048, 96 * num_experts)``; the attribute holds the number.
       lora: build the LoRA state (``False``: a plain MoE block).
       kernel_init: initializer of the routed experts' ``[E, K, N]`` weights
         (and of the shared experts' kernels).
@@ -128,7 +129,7 @@ class MoEBlock(nnx.Module):
                  param_dtype: Any = None, router_dtype: Any = jnp.float32,
                  impl: str = "auto", expert_path: ExpertPathOption = "auto",
                  expert_gemm: ExpertGemm = "auto",
-                 gather_max_rows: int = GATHER_MAX_ROWS, lora: bool = True,
+                 gather_max_rows: int | None = None, lora: bool = True,
                  kernel_init: Any = default_expert_init,
                  bias_init: Any = nnx.initializers.zeros_init(),
                  router_kernel_init: Any = None, router_bias_init: Any = None,
@@ -151,7 +152,7 @@ class MoEBlock(nnx.Module):
         self.dtype, self.router_dtype = jnp.dtype(dtype), jnp.dtype(router_dtype)
         self.param_dtype = self.dtype if param_dtype is None else jnp.dtype(param_dtype)
         self.impl, self.expert_path, self.expert_gemm = impl, expert_path, expert_gemm
-        self.gather_max_rows = int(gather_max_rows)
+        self.gather_max_rows = int(gather_rows_limit(E, gather_max_rows))
         self.router = Router(H, E, family=family, top_k=top_k, dtype=router_dtype,
                              param_dtype=router_dtype, kernel_init=router_kernel_init,
                              bias_init=router_bias_init, rngs=rngs)

@@ -3,7 +3,9 @@
 from jax_moelora.ops.expert_matmul import expert_matmul
 from jax_moelora.ops.folds import (
     GATHER_MAX_ROWS,
+    GATHER_ROWS_PER_EXPERT,
     IMPLS,
+    gather_rows_limit,
     moe_lora_fold,
     moe_lora_gather_bgmv,
     moe_lora_grouped_down,
@@ -20,8 +22,10 @@ from jax_moelora.ops.sharding import (
 
 __all__ = [
     "GATHER_MAX_ROWS",
+    "GATHER_ROWS_PER_EXPERT",
     "IMPLS",
     "expert_matmul",
+    "gather_rows_limit",
     "moe_lora_fold",
     "moe_lora_fold_data_parallel",
     "moe_lora_fold_expert_parallel",

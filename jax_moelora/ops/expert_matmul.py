@@ -24,8 +24,9 @@ extension holds the kernel and ``K`` and ``N`` are multiples of 8, else the
 ``"jnp"`` path. ``"auto"`` is ``"fast"`` on a GPU, ``"cpu"`` on the CPU. Up
 to ``gather_max_rows`` sorted rows the fold is the gather fold instead (one
 flat row per sorted row, after the GEMM; with ``"fast"`` the GEMM's custom
-call, then the gather fold's): the same fold, whose kernels suit few rows
-per (adapter, expert) cell.
+call, then the gather fold's; ``gather_max_rows=None`` takes
+``gather_rows_limit(E)``): the same fold, whose kernels suit few rows per
+(adapter, expert) cell.
 
 Gradients (``jax.grad`` w.r.t. ``x``, ``w`` and the LoRA pools and scales)
 come from one ``custom_vjp`` shared by every backend: the GEMM's through
@@ -45,7 +46,7 @@ import numpy as np
 
 from jax_moelora import _ext
 from jax_moelora.ops import autodiff, expert_matmul_ffi, jnp_fold, launch
-from jax_moelora.ops.folds import GATHER_MAX_ROWS, resolve_impl
+from jax_moelora.ops.folds import gather_rows_limit, resolve_impl
 from jax_moelora.ops.jnp_fold import rounded
 from jax_moelora.tables import FLOAT_DTYPES, MoeExpertRoute
 
@@ -271,7 +272,7 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
                   row_adapter: jax.Array | None = None,
                   sorted_token_ids: jax.Array | None = None, x_gather: int = 0,
                   glu: bool = False, stacked: bool = False, impl: Impl = "auto",
-                  gather_max_rows: int = GATHER_MAX_ROWS):
+                  gather_max_rows: int | None = None):
     """Grouped expert GEMM over expert-sorted rows, with the LoRA delta folded in.
 
     Weights use ``ragged_dot``'s layout ``[E, K, N]`` (``out = x @ w[e]``): a
@@ -305,8 +306,8 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
       gather_max_rows: up to this many sorted rows (``M``) the LoRA is folded
         by the gather fold, one flat row per sorted row, after the GEMM; above,
         by the grouped fold (with ``"fast"``, in the GEMM's custom call). The
-        same rows fold with the same roundings either way (the rule of
-        ``moe_lora_fold``, whose default it shares).
+        same rows fold with the same roundings either way. None (default):
+        ``gather_rows_limit(E)``, the rule of ``moe_lora_fold``.
 
     Returns:
       ``[M, N]`` in x's dtype; for a pair, ``(gate [M, N], up [M, N])``,
@@ -357,9 +358,9 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
                              f"{num_tokens} tokens")
     if impl not in EXPERT_MATMUL_IMPLS:
         raise ValueError(f"expert_matmul: impl must be one of {EXPERT_MATMUL_IMPLS}, got {impl!r}")
-    if isinstance(gather_max_rows, (bool, float)) or not isinstance(gather_max_rows,
-                                                                     (int, np.integer)):
-        raise TypeError(f"expert_matmul: gather_max_rows must be an int, got "
+    if gather_max_rows is not None and (isinstance(gather_max_rows, (bool, float))
+                                        or not isinstance(gather_max_rows, (int, np.integer))):
+        raise TypeError(f"expert_matmul: gather_max_rows must be an int or None, got "
                         f"{gather_max_rows!r}")
     impl = resolve_impl(impl)
 
@@ -378,7 +379,7 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
     offsets = expert_offsets(group_sizes, M)
     routes = tuple(None if r is None else jax.tree_util.tree_map(jnp.asarray, r) for r in routes)
     cfg = _Cfg(impl, ra is not None, launch.programmatic_launch_enabled(),
-               M <= gather_max_rows)
+               M <= gather_rows_limit(E, gather_max_rows))
     ra_arg = ra if ra is not None else jnp.zeros((1,), jnp.int32)
     out = _op(cfg)(xs, tuple(ws), offsets, stids, routes, ra_arg)  # [len(ws), M, N]
     if not pair:

@@ -35,14 +35,31 @@ from jax_moelora.tables import MoeExpertRoute
 from jax_moelora.ops.search import searchsorted
 
 __all__ = ["moe_lora_gather_bgmv", "moe_lora_grouped_down", "moe_lora_fold", "resolve_impl",
-           "IMPLS", "GATHER_MAX_ROWS", "RowPlan", "plan_rows", "fold_planned",
-           "sort_rows_by_expert", "fold_token_projections"]
+           "IMPLS", "GATHER_MAX_ROWS", "GATHER_ROWS_PER_EXPERT", "gather_rows_limit", "RowPlan",
+           "plan_rows", "fold_planned", "sort_rows_by_expert", "fold_token_projections"]
 
 Impl = Literal["auto", "fast", "seed", "cpu", "jnp"]
 IMPLS = ("auto", "fast", "seed", "cpu", "jnp")
 
-# moe_lora_fold uses the gather fold up to this many flat rows, else sorts.
+# moe_lora_fold and expert_matmul use the gather fold up to
+# gather_rows_limit(num_experts) rows, else the grouped fold on rows sorted by
+# expert: up to GATHER_MAX_ROWS rows, or GATHER_ROWS_PER_EXPERT rows an expert
+# on average where that is more (docs/design.md, "Which fold runs").
 GATHER_MAX_ROWS = 2048
+GATHER_ROWS_PER_EXPERT = 96
+
+
+def gather_rows_limit(num_experts: int, gather_max_rows: int | None = None) -> int:
+    """The largest batch, in rows, that the gather fold folds:
+    ``gather_max_rows`` when it is not None, else ``max(GATHER_MAX_ROWS,
+    GATHER_ROWS_PER_EXPERT * num_experts)``. Where the (adapter, expert) cells
+    hold few rows the gather kernels spread the rows over the GPU, while a
+    tile of the grouped fold walks tens of cells one after the other; with
+    many rows a cell the grouped fold reads each cell's A and B blocks once
+    (docs/design.md, "Which fold runs")."""
+    if gather_max_rows is not None:
+        return gather_max_rows
+    return max(GATHER_MAX_ROWS, GATHER_ROWS_PER_EXPERT * int(num_experts))
 
 
 def resolve_impl(impl: str) -> str:
@@ -463,17 +480,17 @@ class RowPlan(NamedTuple):
 
 
 def plan_rows(topk_ids: jax.Array, num_experts: int, *,
-              gather_max_rows: int = GATHER_MAX_ROWS, row_adapter: jax.Array | None = None,
+              gather_max_rows: int | None = None, row_adapter: jax.Array | None = None,
               num_adapters: int = 0) -> RowPlan:
     """The plan ``moe_lora_fold`` uses for ``topk_ids`` (int32 ``[T, top_k]``).
 
-    Batches of at most ``gather_max_rows`` flat rows keep flat order (gather
-    fold); larger ones are sorted by expert over ``num_experts`` experts, and
-    within an expert by ``row_adapter``'s slot when it is given
+    Batches of at most ``gather_rows_limit(num_experts, gather_max_rows)``
+    flat rows keep flat order (gather fold); larger ones are sorted by expert
+    over ``num_experts`` experts, and within an expert by ``row_adapter``'s slot when it is given
     (:func:`sort_rows_by_expert`; traced jnp, no host sync). ``num_experts``
     must cover every route folded with the plan (``>= route.n_experts``)."""
     n_slots = topk_ids.shape[0] * topk_ids.shape[1]
-    if n_slots <= gather_max_rows:
+    if n_slots <= gather_rows_limit(num_experts, gather_max_rows):
         return RowPlan(False, topk_ids)
     order, offsets, sorted_tok = sort_rows_by_expert(topk_ids, num_experts, row_adapter,
                                                      num_adapters)
@@ -511,7 +528,7 @@ def fold_planned(x: jax.Array, base_out: jax.Array, plan: RowPlan,
 
 def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route: MoeExpertRoute,
                   row_adapter: jax.Array | None = None, *, x_gather: int,
-                  impl: Impl = "auto", gather_max_rows: int = GATHER_MAX_ROWS,
+                  impl: Impl = "auto", gather_max_rows: int | None = None,
                   validate: bool = False) -> jax.Array:
     """Fold a layer's rows, choosing the gather fold or sort-then-grouped by size.
 
@@ -522,8 +539,8 @@ def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route:
       route, row_adapter, impl, validate: as for ``moe_lora_gather_bgmv`` (a
         ``StackedRoute`` takes and returns ``[S, T * top_k, n_out]``).
       gather_max_rows: batches of at most this many flat rows take the gather
-        fold; larger ones are sorted by expert and adapter (stable, traced
-        jnp) and folded by the grouped fold, whose sorted rows read ``x``
+        fold (None: :func:`gather_rows_limit` of ``route.n_experts``); larger
+        ones are sorted by expert and adapter (stable, traced jnp) and folded by the grouped fold, whose sorted rows read ``x``
         and read and write ``base_out`` in place through the sort's order
         (no row is copied into sorted order or back). Both give the same
         bits, except with ``impl="fast"`` (decode rows on CUDA cores, sorted

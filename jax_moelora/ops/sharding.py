@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_moelora.ops.folds import GATHER_MAX_ROWS, moe_lora_fold
+from jax_moelora.ops.folds import moe_lora_fold
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["shard_map", "shard_expert_parallel", "shard_tensor_parallel",
@@ -169,7 +169,7 @@ def moe_lora_fold_expert_parallel(x: jax.Array, base_out: jax.Array, topk_ids: j
                                   route: MoeExpertRoute, row_adapter: jax.Array | None = None,
                                   *, mesh: Mesh, axis: str, x_gather: int,
                                   row_axis: AxisNames = None, impl: str = "auto",
-                                  gather_max_rows: int = GATHER_MAX_ROWS) -> jax.Array:
+                                  gather_max_rows: int | None = None) -> jax.Array:
     """``moe_lora_fold`` with experts sharded over ``axis``.
 
     Args:
@@ -215,7 +215,7 @@ def moe_lora_fold_tensor_parallel(x: jax.Array, base_out: jax.Array, topk_ids: j
                                   route: MoeExpertRoute, row_adapter: jax.Array | None = None,
                                   *, mesh: Mesh, axis: str, x_gather: int,
                                   row_axis: AxisNames = None, impl: str = "auto",
-                                  gather_max_rows: int = GATHER_MAX_ROWS) -> jax.Array:
+                                  gather_max_rows: int | None = None) -> jax.Array:
     """``moe_lora_fold`` with ``n_out`` sharded over ``axis``.
 
     ``base_out`` and ``b_pool`` are split on their ``N`` dimension (place the
@@ -244,7 +244,7 @@ def moe_lora_fold_data_parallel(x: jax.Array, base_out: jax.Array, topk_ids: jax
                                 route: MoeExpertRoute, row_adapter: jax.Array | None = None,
                                 *, mesh: Mesh, axis: AxisNames, x_gather: int,
                                 impl: str = "auto",
-                                gather_max_rows: int = GATHER_MAX_ROWS) -> jax.Array:
+                                gather_max_rows: int | None = None) -> jax.Array:
     """``moe_lora_fold`` with tokens split over ``axis`` (a name or names) and
     the route replicated: each device folds its own tokens' rows. Returns
     ``[T * top_k, n_out]`` split on rows, bit-identical to the unsharded fold
