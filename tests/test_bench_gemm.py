@@ -61,3 +61,23 @@ def test_bench_gemm_times_but_does_not_check_past_the_reference_limit(tmp_path, 
 
 def test_reference_limit_is_at_least_the_ragged_dot_limit():
     assert bg.reference_max_bytes(3 << 30) >= 3 << 30
+
+
+def test_a_failed_reference_leaves_the_row_timed(tmp_path, monkeypatch):
+    # the jnp reference can fail where the estimate said it fits (XLA's
+    # autotuner out of memory at T = 16384): the GEMM rows are still timed
+    real = bg._method_fn
+
+    def method_fn(method, c, impl):
+        if impl == "jnp":
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return real(method, c, impl)
+
+    monkeypatch.setattr(bg, "_method_fn", method_fn)
+    rc = main(["bench", "--gemm", "--models", TINY, "--projs", "gate_up", "--tokens", "8",
+               "--reps", "2", "--runs", "1", "--warmup", "1", "--methods", "gemm,gemm_lora",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    for r in json.loads((tmp_path / "gemm.json").read_text())["rows"]:
+        assert r["error"] is None and r["time_us"] > 0
+        assert r["check"] == "not checked (reference failed)"
