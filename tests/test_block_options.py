@@ -246,6 +246,22 @@ def test_expert_gemm_options_agree(dtype, rtol, gather_max_rows, expert_path):
         np.testing.assert_array_equal(outs["auto"], outs["ragged_dot"])
 
 
+@pytest.mark.parametrize("gemm", GEMMS)
+@pytest.mark.parametrize("gather_max_rows, expert_path",
+                         [(8, "auto"), (4096, "auto"), (4096, "ragged")],
+                         ids=["prefill", "decode", "decode-ragged"])
+def test_forward_has_no_while_loop(gemm, gather_max_rows, expert_path):
+    """The block's forward (routing, row sort, GEMMs, folds) holds no while
+    loop: on the GPU every step of one reads its predicate back to the host
+    (a ``jnp.searchsorted`` in the row sort cost the prefill step 12 %)."""
+    x, ids = _inputs(11, 3)
+    for impl in ("cpu", "jnp"):
+        block = _block(expert_gemm=gemm, expert_path=expert_path,
+                       gather_max_rows=gather_max_rows, max_loras=3, impl=impl)
+        hlo = jax.jit(lambda x, i: block(x, i)).lower(jnp.asarray(x), jnp.asarray(ids)).as_text()
+        assert "stablehlo.while" not in hlo, impl
+
+
 @pytest.mark.parametrize("family", ["qwen3", "gpt-oss"])
 def test_expert_gemm_gradients_agree(family):
     """Training through the ragged path: the gradients w.r.t. the expert
