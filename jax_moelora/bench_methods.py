@@ -43,8 +43,7 @@ import numpy as np
 from jax_moelora import _ext
 from jax_moelora.bench_cases import Case, CaseInputs
 from jax_moelora.ops import moe_lora_gather_bgmv, moe_lora_grouped_down
-from jax_moelora.ops.jnp_fold import resolve_pairs
-from jax_moelora.ops.search import searchsorted
+from jax_moelora.ops.jnp_fold import grouped_rows, resolve_pairs
 
 __all__ = ["LIBRARY_METHODS", "CUSTOM_CALL_METHODS", "BASELINES", "ALL_METHODS",
            "default_methods", "make_fold",
@@ -115,12 +114,9 @@ def _row_keys(case: Case, a: dict[str, Any]):
         tok = r // case.model.top_k
         expert = a["indices"]
     else:
-        offsets = a["expert_offsets"]
-        e = searchsorted(offsets, r, side="right") - 1
-        in_span = (e >= 0) & (e < offsets.shape[0] - 1)
-        in_span = in_span & (r < offsets[jnp.clip(e + 1, 0, offsets.shape[0] - 1)])
-        expert = jnp.where(in_span, e, -1)
         tok = a["sorted_token_ids"]
+        expert = grouped_rows(a["expert_offsets"], tok, None, x_rows=1, row_offset=0,
+                              row_end=rows, x_gather=0)[0]
     ra = a["row_adapter"]
     tok_ok = (tok >= 0) & (tok < ra.shape[0])
     adapter = jnp.where(tok_ok, ra[jnp.clip(tok, 0, ra.shape[0] - 1)], -1)

@@ -265,3 +265,9 @@ def test_which_fold_runs(num_experts, gather_max_rows, n_rows, grouped):
     assert plan.grouped is grouped
     limit = gather_rows_limit(num_experts, gather_max_rows)
     assert (n_rows > limit) is grouped
+
+
+@pytest.mark.parametrize("bad", [2.0, True, "8"])
+def test_gather_max_rows_must_be_an_int_or_none(bad):
+    with pytest.raises(TypeError, match="gather_max_rows must be an int or None"):
+        plan_rows(jnp.zeros((4, 2), jnp.int32), 8, gather_max_rows=bad)

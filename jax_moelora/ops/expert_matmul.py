@@ -182,20 +182,17 @@ def _fold(impl: str, xs, base, offsets, stids, route, ra):
                                  row_end=base.shape[0], x_gather=0, impl=impl)
 
 
-def _fold_as_gather(impl: str, xs, base, offsets, stids, route, ra):
-    """The same fold as :func:`_fold`, run by the gather fold: each sorted row
-    gets the expert and adapter the grouped fold's rules give it (-1, so no
-    fold, where they skip it), then one flat row per sorted row (``top_k`` 1,
-    ``x_gather`` 0). The fold of few rows per (adapter, expert) cell: the
-    gather kernels spread its rows over the GPU, where the grouped kernels
-    walk a tile's cells one after the other."""
-    if route is None:
-        return base
-    m = base.shape[0]
+def _gather_rows(xs, offsets, stids, ra):
+    """Each sorted row's expert (-1 where the grouped fold's rules skip it) and
+    adapter, for the gather fold of :func:`_forward` (one flat row per sorted
+    row, ``top_k`` 1, ``x_gather`` 0): the same fold as :func:`_fold`. The
+    fold of few rows per (adapter, expert) cell: the gather kernels spread its
+    rows over the GPU, where the grouped kernels walk a tile's cells one after
+    the other."""
     expert, _, adapter, ok_tok = jnp_fold.grouped_rows(offsets, stids, ra, x_rows=xs.shape[0],
-                                                       row_offset=0, row_end=m, x_gather=0)
-    ids = jnp.where(ok_tok, expert, -1)
-    return autodiff.gather_bgmv(xs, base, ids, route, adapter, top_k=1, x_gather=0, impl=impl)
+                                                       row_offset=0, row_end=xs.shape[0],
+                                                       x_gather=0)
+    return jnp.where(ok_tok, expert, -1), adapter
 
 
 def uses_kernel(dtype, K: int, N: int) -> bool:
@@ -218,9 +215,14 @@ def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra):
                                                     None, cfg.pdl)
     else:
         bases = [_ragged(xs, w, offsets) for w in ws]
-    fold = _fold_as_gather if gather else _fold
     fold_impl = "cpu" if cfg.impl == "cpu" else ("fast" if cfg.impl == "fast" else "jnp")
-    return jnp.stack([fold(fold_impl, xs, b, offsets, stids, r, ra)
+    if not gather:
+        return jnp.stack([_fold(fold_impl, xs, b, offsets, stids, r, ra)
+                          for b, r in zip(bases, routes)])
+    ids, adapter = _gather_rows(xs, offsets, stids, ra)  # shared by both weight sets
+    return jnp.stack([b if r is None else
+                      autodiff.gather_bgmv(xs, b, ids, r, adapter, top_k=1, x_gather=0,
+                                           impl=fold_impl)
                       for b, r in zip(bases, routes)])
 
 
@@ -358,10 +360,7 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
                              f"{num_tokens} tokens")
     if impl not in EXPERT_MATMUL_IMPLS:
         raise ValueError(f"expert_matmul: impl must be one of {EXPERT_MATMUL_IMPLS}, got {impl!r}")
-    if gather_max_rows is not None and (isinstance(gather_max_rows, (bool, float))
-                                        or not isinstance(gather_max_rows, (int, np.integer))):
-        raise TypeError(f"expert_matmul: gather_max_rows must be an int or None, got "
-                        f"{gather_max_rows!r}")
+    gather = gather_rows_limit(E, gather_max_rows) >= M
     impl = resolve_impl(impl)
 
     stids = (jnp.arange(M, dtype=jnp.int32) if sorted_token_ids is None
@@ -378,8 +377,7 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
     ra = row_adapter if (has_lora and row_adapter is not None) else None
     offsets = expert_offsets(group_sizes, M)
     routes = tuple(None if r is None else jax.tree_util.tree_map(jnp.asarray, r) for r in routes)
-    cfg = _Cfg(impl, ra is not None, launch.programmatic_launch_enabled(),
-               M <= gather_rows_limit(E, gather_max_rows))
+    cfg = _Cfg(impl, ra is not None, launch.programmatic_launch_enabled(), gather)
     ra_arg = ra if ra is not None else jnp.zeros((1,), jnp.int32)
     out = _op(cfg)(xs, tuple(ws), offsets, stids, routes, ra_arg)  # [len(ws), M, N]
     if not pair:

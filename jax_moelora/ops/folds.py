@@ -30,9 +30,9 @@ from jax_moelora import _ext
 from jax_moelora.int_range import check_rows
 from jax_moelora.ops import autodiff, contract
 from jax_moelora.ops.batching import virtual_ids
+from jax_moelora.ops.search import searchsorted
 from jax_moelora.ops.stacked import StackedRoute, fold_stacked
 from jax_moelora.tables import MoeExpertRoute
-from jax_moelora.ops.search import searchsorted
 
 __all__ = ["moe_lora_gather_bgmv", "moe_lora_grouped_down", "moe_lora_fold", "resolve_impl",
            "IMPLS", "GATHER_MAX_ROWS", "GATHER_ROWS_PER_EXPERT", "gather_rows_limit", "RowPlan",
@@ -56,9 +56,16 @@ def gather_rows_limit(num_experts: int, gather_max_rows: int | None = None) -> i
     hold few rows the gather kernels spread the rows over the GPU, while a
     tile of the grouped fold walks tens of cells one after the other; with
     many rows a cell the grouped fold reads each cell's A and B blocks once
-    (docs/design.md, "Which fold runs")."""
+    (docs/design.md, "Which fold runs").
+
+    Raises:
+      TypeError: ``gather_max_rows`` is neither None nor an int.
+    """
     if gather_max_rows is not None:
-        return gather_max_rows
+        if isinstance(gather_max_rows, (bool, np.bool_)) or not isinstance(gather_max_rows,
+                                                                            (int, np.integer)):
+            raise TypeError(f"gather_max_rows must be an int or None, got {gather_max_rows!r}")
+        return int(gather_max_rows)
     return max(GATHER_MAX_ROWS, GATHER_ROWS_PER_EXPERT * int(num_experts))
 
 
@@ -486,8 +493,9 @@ def plan_rows(topk_ids: jax.Array, num_experts: int, *,
 
     Batches of at most ``gather_rows_limit(num_experts, gather_max_rows)``
     flat rows keep flat order (gather fold); larger ones are sorted by expert
-    over ``num_experts`` experts, and within an expert by ``row_adapter``'s slot when it is given
-    (:func:`sort_rows_by_expert`; traced jnp, no host sync). ``num_experts``
+    over ``num_experts`` experts, and within an expert by ``row_adapter``'s
+    slot when it is given (:func:`sort_rows_by_expert`; traced jnp, no host
+    sync). ``num_experts``
     must cover every route folded with the plan (``>= route.n_experts``)."""
     n_slots = topk_ids.shape[0] * topk_ids.shape[1]
     if n_slots <= gather_rows_limit(num_experts, gather_max_rows):
@@ -540,8 +548,9 @@ def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route:
         ``StackedRoute`` takes and returns ``[S, T * top_k, n_out]``).
       gather_max_rows: batches of at most this many flat rows take the gather
         fold (None: :func:`gather_rows_limit` of ``route.n_experts``); larger
-        ones are sorted by expert and adapter (stable, traced jnp) and folded by the grouped fold, whose sorted rows read ``x``
-        and read and write ``base_out`` in place through the sort's order
+        ones are sorted by expert and adapter (stable, traced jnp) and folded
+        by the grouped fold, whose sorted rows read ``x`` and read and write
+        ``base_out`` in place through the sort's order
         (no row is copied into sorted order or back). Both give the same
         bits, except with ``impl="fast"`` (decode rows on CUDA cores, sorted
         rows on the tensor cores: other fp32 summation orders, same skipped
