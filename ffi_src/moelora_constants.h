@@ -46,5 +46,11 @@ inline constexpr int kExpertMatmulAlign = 8;
 inline constexpr int64_t kExpertMatmulScratchAlign = 256;
 // Weight sets one call multiplies with the same rows (gate and up).
 inline constexpr int kExpertMatmulMaxWeights = 2;
+// Values of expert_matmul's `schedule` attribute: the CUTLASS kernel schedule
+// (ffi_src/expert_matmul/expert_matmul_config.cuh).
+enum ExpertMatmulSchedule : int64_t {
+  kExpertMatmulCooperative = 0,  // two warpgroups on one tile
+  kExpertMatmulPingpong = 1,     // a tile per warpgroup, epilogues overlapped
+};
 
 }  // namespace moelora

@@ -53,6 +53,8 @@ NB_MODULE(_moelora, m) {
   m.attr("EXPERT_MATMUL_ALIGN") = moelora::kExpertMatmulAlign;
   m.attr("EXPERT_MATMUL_SCRATCH_ALIGN") = moelora::kExpertMatmulScratchAlign;
   m.attr("EXPERT_MATMUL_MAX_WEIGHTS") = moelora::kExpertMatmulMaxWeights;
+  m.attr("EXPERT_MATMUL_COOPERATIVE") = static_cast<int>(moelora::kExpertMatmulCooperative);
+  m.attr("EXPERT_MATMUL_PINGPONG") = static_cast<int>(moelora::kExpertMatmulPingpong);
 #ifdef MOELORA_WITH_EXPERT_MATMUL
   m.attr("HAS_EXPERT_MATMUL") = true;
   m.def("expert_matmul_scratch_bytes", &moelora::expert_matmul_scratch_bytes,

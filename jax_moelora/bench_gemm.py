@@ -15,6 +15,10 @@ jitted program, the median of ``--runs`` runs, divided by ``--reps``):
   per weight set; skipped where XLA's dense lowering would need more than
   ``--ragged-max-gib`` (its ``[E, M, N]`` fp32 intermediate).
 
+``gemm@<schedule>`` and ``gemm_lora@<schedule>`` take the CUTLASS kernel of
+that schedule (``cooperative`` or ``pingpong``) instead of ``gemm_schedule``'s
+choice.
+
 Floors, per row: ``max(bytes / copy bandwidth, flops / matmul rate)``, both
 measured in the same run (an in-place copy of a large buffer, a large dense
 bf16 matmul). Bytes: ``x`` once, the weights of the experts that own rows,
@@ -43,11 +47,11 @@ from rich.table import Table
 from jax_moelora import _ext
 from jax_moelora import bench_methods as bm
 from jax_moelora.bench_cases import MODELS, Model, make_routing, parse_model
-from jax_moelora.ops.expert_matmul import expert_matmul
+from jax_moelora.ops.expert_matmul import EXPERT_MATMUL_SCHEDULES, expert_matmul
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["GemmCase", "GEMM_TOKENS", "GEMM_PROJS", "GEMM_METHODS", "run_gemm_bench",
-           "measure_matmul_rate", "gemm_floor"]
+           "parse_method", "measure_matmul_rate", "gemm_floor"]
 
 GEMM_TOKENS = (64, 256, 4096, 16384)
 GEMM_PROJS = ("gate_up", "down")
@@ -167,13 +171,29 @@ def _chained_sizes(out, a):
     return a["group_sizes"] + jnp.isnan(out.reshape(-1)[0]).astype(jnp.int32)
 
 
+def parse_method(method: str) -> tuple[str, str]:
+    """``"gemm_lora@pingpong"`` -> ``("gemm_lora", "pingpong")``; the schedule
+    is ``"auto"`` when none is named. ValueError for an unknown method or
+    schedule, or a schedule on ``ragged_dot``."""
+    base, at, schedule = method.partition("@")
+    schedule = schedule if at else "auto"
+    if (base not in GEMM_METHODS or schedule not in EXPERT_MATMUL_SCHEDULES
+            or (at and base == "ragged_dot")):
+        raise ValueError(f"unknown method {method!r}; known: {', '.join(GEMM_METHODS)}, and "
+                         f"gemm or gemm_lora @ one of {', '.join(EXPERT_MATMUL_SCHEDULES[1:])}")
+    return base, schedule
+
+
 def _method_fn(method: str, c: GemmCase, impl: str):
     """``fn(out, args) -> out`` for the benchmark loop (out: the first output)."""
+    method, schedule = parse_method(method)
+
     def call(out, a, lora, impl=impl):
         out = expert_matmul(a["x"], a["w"], _chained_sizes(out, a),
                             lora=a["routes"] if lora else None,
                             row_adapter=a["row_adapter"] if lora else None,
-                            sorted_token_ids=a["sorted_token_ids"], impl=impl)
+                            sorted_token_ids=a["sorted_token_ids"], impl=impl,
+                            schedule=schedule)
         return out if c.n_weights == 1 else jnp.stack(out)
 
     if method == "gemm":
@@ -189,7 +209,7 @@ def _method_fn(method: str, c: GemmCase, impl: str):
                     for w in ws]
             return outs[0] if c.n_weights == 1 else jnp.stack(outs)
         return ragged
-    raise ValueError(f"unknown method {method!r}; known: {', '.join(GEMM_METHODS)}")
+    raise AssertionError(method)  # parse_method accepted it
 
 
 def run_gemm_bench(cases: list[GemmCase], methods: tuple[str, ...], *, reps: int, runs: int,
@@ -220,7 +240,7 @@ def run_gemm_bench(cases: list[GemmCase], methods: tuple[str, ...], *, reps: int
         out0 = jnp.zeros(shape, jnp.bfloat16)
         refs = {}
         for method in methods:
-            lora = method == "gemm_lora"
+            lora = parse_method(method)[0] == "gemm_lora"
             f = gemm_floor(c, inputs, lora=lora, bandwidth=bandwidth, matmul_rate=rate)
             row = {"model": c.model.name, "proj": c.proj, "tokens": c.tokens, "rows": c.rows,
                    "method": method, "adapters": c.adapters if lora else 0,
@@ -260,20 +280,21 @@ def _time_row(row: dict, c: GemmCase, method: str, args: dict, out0: jax.Array, 
     out of memory in XLA's autotuner) leaves the row timed and not checked."""
     try:
         first = None
-        if check and method in ("gemm", "gemm_lora"):
+        base = parse_method(method)[0]  # a reference per base method, shared by the schedules
+        if check and base in ("gemm", "gemm_lora"):
             if ref_too_large:  # the jnp reference lowers through ragged_dot, dense on a GPU
                 row["check"] = "not checked (reference too large)"
-            elif method not in refs and not _reference(refs, method, c, args, out0):
+            elif base not in refs and not _reference(refs, base, c, args, out0):
                 row["check"] = "not checked (reference failed)"
             else:
-                def first(out, row=row, ref=refs[method]):
+                def first(out, row=row, ref=refs[base]):
                     o, r = out.astype(jnp.float32), ref.astype(jnp.float32)
                     err = float(jnp.linalg.norm(o - r) / jnp.maximum(jnp.linalg.norm(r), 1e-30))
                     row["check_err"] = err
                     row["check"] = "ok" if err <= TOLERANCE[jnp.dtype(out.dtype)] else "MISMATCH"
 
         # every call unrolled for the custom call, 8 per loop step for ragged_dot
-        unroll = reps if method != "ragged_dot" else min(8, reps)
+        unroll = reps if base != "ragged_dot" else min(8, reps)
         loop = bm.make_loop(_method_fn(method, c, "auto"), reps, unroll)
         t = bm.time_loop(loop, out0, args, reps=reps, runs=runs, warmup=warmup,
                          first=first)
@@ -341,6 +362,12 @@ def run(args: argparse.Namespace) -> int:
     rank = (args.ranks or (16,))[0]
     adapters = (args.adapters or (4,))[0]
     methods = args.methods or GEMM_METHODS
+    for m in methods:
+        try:
+            parse_method(m)
+        except ValueError as err:
+            console.print(f"[red]bench --gemm:[/] {err}")
+            return 2
     cases = [GemmCase(parse_model(m), p, t, rank, adapters, args.seed)
              for m in models for p in projs for t in tokens]
     reps = args.reps or (4 if small else 32)

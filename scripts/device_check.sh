@@ -148,13 +148,13 @@ has racecheck && san racecheck 150
 has initcheck && san initcheck 120
 has synccheck && san synccheck 120
 ncu_bench() {  # ncu_bench LOG BENCH_ARGS...: NCU_LAUNCHES launches of the kernels matching KERNELS
+  # (BENCH_ARGS come last: they may override the defaults, e.g. --gemm --methods gemm@pingpong)
   local log=$1; shift
   timeout 120 ncu --clock-control none -k regex:"${KERNELS:-cells}" --launch-count "${NCU_LAUNCHES:-2}" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section SchedulerStats \
-    python3 -m jax_moelora bench "$@" \
-    --methods fast --reps 1 --runs 1 --warmup 1 --no-check --no-plot --bw-mib 16 --out /tmp/ncu_bench \
-    > "$log" 2>&1
+    python3 -m jax_moelora bench --methods fast --reps 1 --runs 1 --warmup 1 --no-check --no-plot \
+    --bw-mib 16 --out /tmp/ncu_bench "$@" > "$log" 2>&1
 }
 if has ncu; then  # the kernels matching KERNELS in the NCU_ARGS bench, then in NCU2_ARGS when set
   step ncu; ncu_bench "$R/ncu.log" ${NCU_ARGS:---models qwen --projs gate --tokens 64 --ranks 16 --adapters 4}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from jax_moelora import bench_gemm as bg
 from jax_moelora.__main__ import main
@@ -81,3 +82,32 @@ def test_a_failed_reference_leaves_the_row_timed(tmp_path, monkeypatch):
     for r in json.loads((tmp_path / "gemm.json").read_text())["rows"]:
         assert r["error"] is None and r["time_us"] > 0
         assert r["check"] == "not checked (reference failed)"
+
+
+def test_methods_name_a_schedule():
+    assert bg.parse_method("gemm") == ("gemm", "auto")
+    assert bg.parse_method("gemm_lora@pingpong") == ("gemm_lora", "pingpong")
+    assert bg.parse_method("gemm@cooperative") == ("gemm", "cooperative")
+    for bad in ("ragged_dot@pingpong", "gemm@warp", "einsum"):
+        with pytest.raises(ValueError, match="unknown method"):
+            bg.parse_method(bad)
+
+
+def test_bench_gemm_refuses_an_unknown_method(tmp_path, capsys):
+    rc = main(["bench", "--gemm", "--models", TINY, "--tokens", "8", "--methods", "gemm@warp",
+               "--out", str(tmp_path)])
+    assert rc == 2 and "unknown method" in capsys.readouterr().out
+    assert not (tmp_path / "gemm.json").exists()
+
+
+def test_bench_gemm_times_each_schedule(tmp_path):
+    # off the GPU the schedule changes nothing but the row's method name
+    methods = ["gemm@cooperative", "gemm_lora@pingpong"]
+    rc = main(["bench", "--gemm", "--models", TINY, "--projs", "down", "--tokens", "8",
+               "--reps", "2", "--runs", "1", "--warmup", "1", "--methods", ",".join(methods),
+               "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "gemm.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == methods
+    assert all(r["check"] == "ok" and r["time_us"] > 0 for r in rows)
+    assert rows[1]["adapters"] == 4 and rows[0]["adapters"] == 0

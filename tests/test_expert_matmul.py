@@ -116,7 +116,7 @@ class Case:
         return route_folds(route, adapter, e) & tok_ok & (e >= 0)
 
     def run(self, impl: str, *, lora: bool = True, glu: bool = False, stacked: bool = False,
-            jit: bool = True, gather_max_rows: int | None = None):
+            jit: bool = True, gather_max_rows: int | None = None, schedule: str = "auto"):
         with on_platform(impl):
             pair = len(self.ws) == 2
             w = tuple(to_device(self.ws)) if pair else to_device(self.ws[0])
@@ -128,7 +128,7 @@ class Case:
                 return ml.expert_matmul(x, w, gs, lora=lo, row_adapter=ra,
                                         sorted_token_ids=stids, x_gather=self.x_gather,
                                         glu=glu, stacked=stacked, impl=impl,
-                                        gather_max_rows=gather_max_rows)
+                                        gather_max_rows=gather_max_rows, schedule=schedule)
 
             f = jax.jit(f) if jit else f
             out = f(args[0], w, args[1], args[2], args[3], lo)
@@ -483,6 +483,7 @@ def _args(rng, **kw):
     (lambda a: dict(w=(a["w"], a["w"]), lora=None, glu=True, stacked=True), ValueError,
      "and glu=False"),
     (lambda a: dict(impl="seed"), ValueError, "impl must be one of"),
+    (lambda a: dict(schedule="warp"), ValueError, "schedule must be one of"),
     (lambda a: dict(lora="route"), TypeError, "lora must be a MoeExpertRoute"),
 ])
 def test_validation_names_the_argument(rng, mutate, exc, match):
@@ -586,6 +587,59 @@ def test_fast_lora_ranks_and_partial_tiles(rng, dtype, pair, max_rank, ranks, ga
         np.testing.assert_array_equal(bits(out[0]), bits(base[0]))
         out, base = out[1], base[1]
     check_lora(case, out, base, case.routes[-1], strict=False)
+
+
+def test_schedule_heuristic():
+    """``schedule="auto"``: the pingpong kernel up to ``PINGPONG_MAX_K``
+    (Qwen3's and DeepSeek-V2-Lite's down projections), the cooperative one
+    above (every gate/up, Mixtral's down)."""
+    from jax_moelora.ops.expert_matmul import PINGPONG_MAX_K, gemm_schedule
+
+    assert gemm_schedule(768) == gemm_schedule(1408) == "pingpong"
+    assert gemm_schedule(PINGPONG_MAX_K) == "pingpong"
+    assert gemm_schedule(PINGPONG_MAX_K + 8) == "cooperative"
+    assert gemm_schedule(2048) == gemm_schedule(4096) == gemm_schedule(14336) == "cooperative"
+
+
+@GPU
+@pytest.mark.parametrize("schedule, K, value", [("auto", 64, 1), ("auto", 2048, 0),
+                                                ("cooperative", 64, 0), ("pingpong", 2048, 1)])
+def test_schedule_reaches_the_custom_call(rng, schedule, K, value):
+    """The resolved schedule is the custom call's ``schedule`` attribute
+    (``EXPERT_MATMUL_COOPERATIVE`` 0, ``EXPERT_MATMUL_PINGPONG`` 1)."""
+    import re
+
+    from jax_moelora import _ext
+
+    assert (_ext.EXPERT_MATMUL_COOPERATIVE, _ext.EXPERT_MATMUL_PINGPONG) == (0, 1)
+    x, w, gs = jnp.zeros((32, K), jnp.bfloat16), jnp.zeros((4, K, 16), jnp.bfloat16), \
+        jnp.asarray([8, 8, 8, 8], jnp.int32)
+    hlo = jax.jit(lambda x, w, gs: ml.expert_matmul(x, w, gs, impl="fast", schedule=schedule)
+                  ).lower(x, w, gs).as_text()
+    assert re.findall(r"schedule = (\d+)", hlo) == [str(value)]
+
+
+@GPU
+@pytest.mark.parametrize("E, K, N, M", [(5, 96, 200, 300), (128, 768, 2048, 4096)],
+                         ids=["partial_tiles", "qwen_down"])
+@pytest.mark.parametrize("pair", [False, True], ids=["single", "pair"])
+@dtypes
+def test_schedules_give_the_same_bits(rng, dtype, pair, E, K, N, M):
+    """The cooperative and pingpong kernels give the same bits, GEMM alone and
+    with 4 adapters folded by the grouped fold in the same custom call."""
+    if dtype == jnp.float32:
+        pytest.skip("the CUDA GEMM takes bf16 and f16")
+    case = make_case(rng, dtype=dtype, num_loras=4, pair=pair, E=E, K=K, N=N, M=M,
+                     ranks=(16,), max_rank=16)
+    planes = lambda out: out if pair else (out,)  # noqa: E731
+    for lora in (False, True):
+        coop, ping = (planes(case.run("fast", lora=lora, gather_max_rows=0, schedule=s))
+                      for s in ("cooperative", "pingpong"))
+        for c, p in zip(coop, ping):
+            np.testing.assert_array_equal(bits(c), bits(p))
+        if not lora:
+            for c, want in zip(coop, planes(case.run("jnp", lora=False))):
+                check_gemm_close(case, c, want)
 
 
 def graph_program(seed: int, impl: str = "fast", n_layers: int = 3) -> np.ndarray:

@@ -12,7 +12,8 @@
 //             scratch u8 [expert_matmul_scratch_bytes(num_weights * E, sm_count)],
 //             xa [M, R] (the fold's scratch; R the larger route rank, or 1).
 //   attrs:    num_weights (1 or 2), has_lora0, has_lora1, has_row_adapter, sm_count,
-//             pdl (the fold's expand may use programmatic dependent launch).
+//             pdl (the fold's expand may use programmatic dependent launch),
+//             schedule (ExpertMatmulSchedule: the CUTLASS kernel schedule).
 //   offsets:  offsets[0] = 0, non-decreasing, offsets[E] <= M (traced jnp builds
 //             them from group_sizes). Row r in [offsets[e], offsets[e+1]) is
 //             round(x[r] @ w[e]); rows r >= offsets[E] are zero. Then each
@@ -42,15 +43,17 @@ struct ExpertGemmArgs {
   int sm_count;
 };
 
-// Per dtype (expert_matmul_bf16.cu, expert_matmul_f16.cu):
-//   expert_gemm_scratch_bytes_*: bytes of scratch for `num_groups` problems on
-//     `sm_count` SMs (pointer/shape/stride arrays, then CUTLASS's workspace);
-//   expert_gemm_run_*: builds the problem arrays on the device, zeroes the rows
-//     past offsets[E], and runs the CUTLASS grouped GEMM; no host
-//     synchronisation, no allocation.
-int64_t expert_gemm_scratch_bytes_bf16(int64_t num_groups, int sm_count);
-int64_t expert_gemm_scratch_bytes_f16(int64_t num_groups, int sm_count);
-cudaError_t expert_gemm_run_bf16(const ExpertGemmArgs& args, cudaStream_t stream);
-cudaError_t expert_gemm_run_f16(const ExpertGemmArgs& args, cudaStream_t stream);
+// One kernel per dtype and schedule (expert_matmul_<dtype>_<schedule>.cu):
+//   scratch_bytes: bytes of scratch for `num_groups` problems on `sm_count`
+//     SMs (pointer/shape/stride arrays, then CUTLASS's workspace);
+//   run: builds the problem arrays on the device, zeroes the rows past
+//     offsets[E], and runs the CUTLASS grouped GEMM; no host synchronisation,
+//     no allocation.
+struct ExpertGemmKernel {
+  int64_t (*scratch_bytes)(int64_t num_groups, int sm_count);
+  cudaError_t (*run)(const ExpertGemmArgs& args, cudaStream_t stream);
+};
+extern const ExpertGemmKernel kExpertGemmBf16Cooperative, kExpertGemmBf16Pingpong,
+    kExpertGemmF16Cooperative, kExpertGemmF16Pingpong;
 
 }  // namespace moelora

@@ -1,5 +1,6 @@
-// The CUTLASS 4.2 kernel type of expert_matmul: a ptr-array grouped GEMM for
-// sm90 (TMA loads, wgmma, warp-specialized cooperative persistent kernel).
+// The CUTLASS 4.2 kernel types of expert_matmul: a ptr-array grouped GEMM for
+// sm90 (TMA loads, wgmma, warp-specialized persistent kernel, cooperative or
+// pingpong).
 //
 //   A = x rows of one expert     [m_e, K] row-major (K-major)
 //   B = w[e]                     [K, N] row-major (N-major; wgmma reads it
@@ -26,14 +27,27 @@ namespace moelora::expert_gemm {
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K)
 
-// Tile 128 x 128 x 64 (two consumer warpgroups of 64 rows each), no cluster:
-// groups are ragged and often a single M tile, so an M-cluster would idle.
+// Tile 128 x 128 x 64, no cluster: groups are ragged and often a single M
+// tile, so an M-cluster would idle.
 using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
 using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
-template <class Element>
+// The two kernel schedules (ExpertMatmulSchedule in moelora_constants.h):
+//   Cooperative: both consumer warpgroups share a tile (64 rows each); a tile's
+//     epilogue runs after its mainloop, the tensor cores idle meanwhile.
+//   Pingpong: each consumer warpgroup owns a whole tile and the two take turns,
+//     so one's epilogue overlaps the other's mainloop (short K: the epilogue
+//     is a larger share of a tile's time).
+struct Cooperative {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct Pingpong {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+template <class Element, class Schedule>
 struct Config {
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = cutlass::layout::RowMajor;
@@ -45,7 +59,7 @@ struct Config {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
       void, LayoutD*, kAlign,        // no C operand
       Element, LayoutD*, kAlign,
-      EpilogueSchedule,
+      typename Schedule::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<Element, float, void, float>>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -55,7 +69,7 @@ struct Config {
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      KernelSchedule>::CollectiveOp;
+      typename Schedule::Kernel>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
                                                       CollectiveEpilogue>;

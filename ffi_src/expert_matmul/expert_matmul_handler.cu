@@ -4,6 +4,7 @@
 // is a second pass (it reads and writes the GEMM output once more); the GEMM
 // epilogue does not compute the delta.
 #include <algorithm>
+#include <initializer_list>
 #include <string>
 
 #include "expert_matmul.h"
@@ -17,6 +18,19 @@ namespace {
 
 ffi::Error invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("expert_matmul: " + what);
+}
+
+// The CUTLASS kernel of a dtype and schedule; nullptr for an unknown schedule.
+const ExpertGemmKernel* gemm_kernel(DType dtype, int64_t schedule) {
+  const bool bf16 = dtype == DType::kBf16;
+  switch (schedule) {
+    case kExpertMatmulCooperative:
+      return bf16 ? &kExpertGemmBf16Cooperative : &kExpertGemmF16Cooperative;
+    case kExpertMatmulPingpong:
+      return bf16 ? &kExpertGemmBf16Pingpong : &kExpertGemmF16Pingpong;
+    default:
+      return nullptr;
+  }
 }
 
 struct RouteBuffers {
@@ -33,7 +47,7 @@ ffi::Error ExpertMatmulCudaImpl(
     ffi::Buffer<ffi::S32> bt1, ffi::Buffer<ffi::F32> st1, ffi::Result<ffi::AnyBuffer> out,
     ffi::Result<ffi::AnyBuffer> scratch,
     ffi::Result<ffi::AnyBuffer> xa, int64_t num_weights, int64_t has_lora0, int64_t has_lora1,
-    int64_t has_row_adapter, int64_t sm_count, int64_t pdl) {
+    int64_t has_row_adapter, int64_t sm_count, int64_t pdl, int64_t schedule) {
   const auto xd = x.dimensions(), wd = w0.dimensions();
   if (xd.size() != 2 || wd.size() != 3) return invalid("x must be [M, K] and w [E, K, N]");
   const int64_t M = xd[0], K = xd[1], E = wd[0], N = wd[2];
@@ -61,9 +75,10 @@ ffi::Error ExpertMatmulCudaImpl(
   void* outs[kExpertMatmulMaxWeights] = {};
   for (int64_t i = 0; i < num_weights; ++i) outs[i] = out_base + i * M * N * 2;  // 2-byte elements
   const DType dtype = dt == ffi::DataType::BF16 ? DType::kBf16 : DType::kF16;
+  const ExpertGemmKernel* kernel = gemm_kernel(dtype, schedule);
+  if (kernel == nullptr) return invalid("schedule");
   const int64_t groups = num_weights * E;
-  const int64_t need = dtype == DType::kBf16 ? expert_gemm_scratch_bytes_bf16(groups, int(sm_count))
-                                             : expert_gemm_scratch_bytes_f16(groups, int(sm_count));
+  const int64_t need = kernel->scratch_bytes(groups, int(sm_count));
   if (int64_t(scratch->size_bytes()) < need) return invalid("scratch buffer too small");
 
   // Routes are checked before anything is launched.
@@ -87,8 +102,7 @@ ffi::Error ExpertMatmulCudaImpl(
                    {outs[0], outs[1]},
                    offsets.typed_data(), num_weights, E, M, K, N, scratch->untyped_data(),
                    int64_t(scratch->size_bytes()), int(sm_count)};
-  cudaError_t err = dtype == DType::kBf16 ? expert_gemm_run_bf16(g, stream)
-                                          : expert_gemm_run_f16(g, stream);
+  cudaError_t err = kernel->run(g, stream);
   for (int64_t i = 0; i < num_weights && err == cudaSuccess; ++i) {
     if (!has_lora[i]) continue;
     GroupedArgs f{dtype,
@@ -131,8 +145,11 @@ int64_t cuda_sm_count(int64_t device) {
 }
 
 int64_t expert_matmul_scratch_bytes(int64_t num_groups, int64_t sm_count) {
-  return std::max(expert_gemm_scratch_bytes_bf16(num_groups, int(sm_count)),
-                  expert_gemm_scratch_bytes_f16(num_groups, int(sm_count)));
+  int64_t bytes = 0;
+  for (const ExpertGemmKernel* k : {&kExpertGemmBf16Cooperative, &kExpertGemmBf16Pingpong,
+                                    &kExpertGemmF16Cooperative, &kExpertGemmF16Pingpong})
+    bytes = std::max(bytes, k->scratch_bytes(num_groups, int(sm_count)));
+  return bytes;
 }
 
 }  // namespace moelora
@@ -164,5 +181,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertMatmulCuda, moelora::ExpertMatmulCudaImpl,
                                   .Attr<int64_t>("has_lora1")
                                   .Attr<int64_t>("has_row_adapter")
                                   .Attr<int64_t>("sm_count")
-                                  .Attr<int64_t>("pdl"),
+                                  .Attr<int64_t>("pdl")
+                                  .Attr<int64_t>("schedule"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -1,5 +1,5 @@
 // expert_matmul's grouped GEMM: the on-device setup kernel and the CUTLASS
-// launch, instantiated once per dtype (expert_matmul_bf16.cu, _f16.cu).
+// launch, instantiated once per dtype and schedule (expert_matmul_<dtype>_<schedule>.cu).
 #pragma once
 
 #include <algorithm>
@@ -103,19 +103,19 @@ __global__ void __launch_bounds__(256) setup_problems(Problems<C, T> p, ExpertGe
   }
 }
 
-template <DType D>
+template <DType D, class S>
 int64_t scratch_bytes(int64_t groups, int sm_count) {
   using T = typename ElementOf<D>::type;
-  using C = Config<T>;
+  using C = Config<T, S>;
   Problems<C, T> none{};
   const auto args = gemm_arguments<C, T>(none, groups, sm_count);
   return scratch_layout<C>(groups, int64_t(C::Gemm::get_workspace_size(args))).total;
 }
 
-template <DType D>
+template <DType D, class S>
 cudaError_t run(const ExpertGemmArgs& a, cudaStream_t stream) {
   using T = typename ElementOf<D>::type;
-  using C = Config<T>;
+  using C = Config<T, S>;
   const int64_t groups = a.num_weights * a.E;
   Problems<C, T> none{};
   const int64_t workspace_bytes =
@@ -151,13 +151,9 @@ cudaError_t run(const ExpertGemmArgs& a, cudaStream_t stream) {
 
 }  // namespace moelora::expert_gemm
 
-// The two per-dtype entry points of expert_matmul.h for dtype D, named by `suffix`.
-#define MOELORA_EXPERT_GEMM_INSTANTIATE(D, suffix)                                         \
+// The kernel table entry `name` of expert_matmul.h for dtype D and schedule S.
+#define MOELORA_EXPERT_GEMM_INSTANTIATE(D, S, name)                                        \
   namespace moelora {                                                                     \
-  int64_t expert_gemm_scratch_bytes_##suffix(int64_t groups, int sm_count) {              \
-    return expert_gemm::scratch_bytes<D>(groups, sm_count);                               \
-  }                                                                                       \
-  cudaError_t expert_gemm_run_##suffix(const ExpertGemmArgs& args, cudaStream_t stream) { \
-    return expert_gemm::run<D>(args, stream);                                             \
-  }                                                                                       \
+  const ExpertGemmKernel name{&expert_gemm::scratch_bytes<D, expert_gemm::S>,              \
+                              &expert_gemm::run<D, expert_gemm::S>};                       \
   }

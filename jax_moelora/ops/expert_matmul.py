@@ -50,10 +50,19 @@ from jax_moelora.ops.folds import gather_rows_limit, resolve_impl
 from jax_moelora.ops.jnp_fold import rounded
 from jax_moelora.tables import FLOAT_DTYPES, MoeExpertRoute
 
-__all__ = ["expert_matmul", "expert_offsets", "uses_kernel", "EXPERT_MATMUL_IMPLS"]
+__all__ = ["expert_matmul", "expert_offsets", "uses_kernel", "gemm_schedule",
+           "EXPERT_MATMUL_IMPLS", "EXPERT_MATMUL_SCHEDULES", "PINGPONG_MAX_K"]
 
 EXPERT_MATMUL_IMPLS = ("auto", "fast", "cpu", "jnp")
 Impl = Literal["auto", "fast", "cpu", "jnp"]
+#: The CUTLASS kernel's schedules (``ffi_src/expert_matmul/expert_matmul_config.cuh``):
+#: ``"cooperative"`` (two warpgroups on one tile, the epilogue after the
+#: mainloop) or ``"pingpong"`` (a tile per warpgroup, one's epilogue under the
+#: other's mainloop); ``"auto"`` takes :func:`gemm_schedule`.
+EXPERT_MATMUL_SCHEDULES = ("auto", "cooperative", "pingpong")
+Schedule = Literal["auto", "cooperative", "pingpong"]
+#: ``schedule="auto"`` takes the pingpong kernel up to this ``K`` (docs/expert_matmul.md).
+PINGPONG_MAX_K = 1536
 
 _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
@@ -163,6 +172,7 @@ class _Cfg(NamedTuple):
     has_ra: bool       # a row-adapter map is passed
     pdl: bool = True   # programmatic dependent launch of the fold (ops/launch.py)
     gather: bool = False  # the LoRA folded by the gather fold (M <= gather_max_rows)
+    schedule: str = "cooperative"  # the CUTLASS kernel's schedule (resolved)
 
 
 def _ragged(xs, w, offsets):
@@ -203,16 +213,26 @@ def uses_kernel(dtype, K: int, N: int) -> bool:
             and K % _ext.EXPERT_MATMUL_ALIGN == 0 and N % _ext.EXPERT_MATMUL_ALIGN == 0)
 
 
+def gemm_schedule(K: int) -> str:
+    """The kernel schedule ``schedule="auto"`` takes for a ``[*, K] x [E, K,
+    N]`` GEMM: ``"pingpong"`` up to :data:`PINGPONG_MAX_K`, where a tile's
+    mainloop is short and its epilogue (rounding and storing a 128 x 128
+    tile) a large share of its time, which the pingpong kernel hides under
+    the other warpgroup's mainloop; ``"cooperative"`` above."""
+    return "pingpong" if K <= PINGPONG_MAX_K else "cooperative"
+
+
 def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra):
     """``[len(ws), M, N]``: weight set ``i``'s folded output is plane ``i``."""
     ra = ra if cfg.has_ra else None
     kernel = cfg.impl == "fast" and uses_kernel(xs.dtype, ws[0].shape[1], ws[0].shape[2])
     gather = cfg.gather and any(r is not None for r in routes)
     if kernel and not gather:  # the GEMM and the grouped fold in one custom call
-        return expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes, ra, cfg.pdl)
+        return expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes, ra, cfg.pdl,
+                                                   cfg.schedule)
     if kernel:
         bases = expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, (None,) * len(ws),
-                                                    None, cfg.pdl)
+                                                    None, cfg.pdl, cfg.schedule)
     else:
         bases = [_ragged(xs, w, offsets) for w in ws]
     fold_impl = "cpu" if cfg.impl == "cpu" else ("fast" if cfg.impl == "fast" else "jnp")
@@ -274,7 +294,7 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
                   row_adapter: jax.Array | None = None,
                   sorted_token_ids: jax.Array | None = None, x_gather: int = 0,
                   glu: bool = False, stacked: bool = False, impl: Impl = "auto",
-                  gather_max_rows: int | None = None):
+                  gather_max_rows: int | None = None, schedule: Schedule = "auto"):
     """Grouped expert GEMM over expert-sorted rows, with the LoRA delta folded in.
 
     Weights use ``ragged_dot``'s layout ``[E, K, N]`` (``out = x @ w[e]``): a
@@ -310,6 +330,9 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
         by the grouped fold (with ``"fast"``, in the GEMM's custom call). The
         same rows fold with the same roundings either way. None (default):
         ``gather_rows_limit(E)``, the rule of ``moe_lora_fold``.
+      schedule: the CUTLASS kernel's schedule (:data:`EXPERT_MATMUL_SCHEDULES`;
+        ``"auto"``: :func:`gemm_schedule`). Both give the same bits; other
+        backends ignore it.
 
     Returns:
       ``[M, N]`` in x's dtype; for a pair, ``(gate [M, N], up [M, N])``,
@@ -360,6 +383,9 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
                              f"{num_tokens} tokens")
     if impl not in EXPERT_MATMUL_IMPLS:
         raise ValueError(f"expert_matmul: impl must be one of {EXPERT_MATMUL_IMPLS}, got {impl!r}")
+    if schedule not in EXPERT_MATMUL_SCHEDULES:
+        raise ValueError(f"expert_matmul: schedule must be one of {EXPERT_MATMUL_SCHEDULES}, "
+                         f"got {schedule!r}")
     gather = gather_rows_limit(E, gather_max_rows) >= M
     impl = resolve_impl(impl)
 
@@ -377,7 +403,8 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
     ra = row_adapter if (has_lora and row_adapter is not None) else None
     offsets = expert_offsets(group_sizes, M)
     routes = tuple(None if r is None else jax.tree_util.tree_map(jnp.asarray, r) for r in routes)
-    cfg = _Cfg(impl, ra is not None, launch.programmatic_launch_enabled(), gather)
+    cfg = _Cfg(impl, ra is not None, launch.programmatic_launch_enabled(), gather,
+               gemm_schedule(K) if schedule == "auto" else schedule)
     ra_arg = ra if ra is not None else jnp.zeros((1,), jnp.int32)
     out = _op(cfg)(xs, tuple(ws), offsets, stids, routes, ra_arg)  # [len(ws), M, N]
     if not pair:

@@ -1,4 +1,0 @@
-// expert_matmul's CUTLASS grouped GEMM for bf16 (see expert_matmul_config.cuh).
-#include "expert_matmul_impl.cuh"
-
-MOELORA_EXPERT_GEMM_INSTANTIATE(moelora::DType::kBf16, bf16)
