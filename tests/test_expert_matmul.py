@@ -591,13 +591,12 @@ def test_fast_lora_ranks_and_partial_tiles(rng, dtype, pair, max_rank, ranks, ga
 
 def test_schedule_heuristic():
     """``schedule="auto"``: the pingpong kernel up to ``PINGPONG_MAX_K``
-    (Qwen3's and DeepSeek-V2-Lite's down projections), the cooperative one
-    above (every gate/up, Mixtral's down)."""
+    (Qwen3's down projection, K = 768), the cooperative one above (every
+    gate/up, DeepSeek-V2-Lite's and Mixtral's down)."""
     from jax_moelora.ops.expert_matmul import PINGPONG_MAX_K, gemm_schedule
 
-    assert gemm_schedule(768) == gemm_schedule(1408) == "pingpong"
-    assert gemm_schedule(PINGPONG_MAX_K) == "pingpong"
-    assert gemm_schedule(PINGPONG_MAX_K + 8) == "cooperative"
+    assert gemm_schedule(768) == gemm_schedule(PINGPONG_MAX_K) == "pingpong"
+    assert gemm_schedule(PINGPONG_MAX_K + 8) == gemm_schedule(1408) == "cooperative"
     assert gemm_schedule(2048) == gemm_schedule(4096) == gemm_schedule(14336) == "cooperative"
 
 

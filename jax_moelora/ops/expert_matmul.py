@@ -62,7 +62,7 @@ Impl = Literal["auto", "fast", "cpu", "jnp"]
 EXPERT_MATMUL_SCHEDULES = ("auto", "cooperative", "pingpong")
 Schedule = Literal["auto", "cooperative", "pingpong"]
 #: ``schedule="auto"`` takes the pingpong kernel up to this ``K`` (docs/expert_matmul.md).
-PINGPONG_MAX_K = 1536
+PINGPONG_MAX_K = 1024
 
 _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
