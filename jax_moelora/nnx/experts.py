@@ -36,6 +36,7 @@ from jax_moelora.nnx.families import GptOss
 from jax_moelora.ops.expert_matmul import expert_matmul as _library_expert_matmul
 from jax_moelora.ops.expert_matmul import uses_kernel
 from jax_moelora.ops.folds import RowPlan, plan_rows
+from jax_moelora.ops.take_rows import take_rows
 
 __all__ = ["EXPERT_GEMMS", "ExpertGemm", "ExpertPath", "ExpertRows", "GluExperts",
            "GptOssExperts", "SharedExperts", "default_expert_init", "dense_all_rows",
@@ -198,7 +199,7 @@ def expert_matmul_pair(x: Array, ws: tuple[Array, ...], rows: ExpertRows, *,
         srt = rows.ragged
         sizes = jnp.diff(srt.expert_offsets)
         if x_gather:
-            xs = x[srt.sorted_token_ids]
+            xs = take_rows(x, srt.sorted_token_ids)
         else:
             xs = x if plan.grouped else srt.to_plan_order(x)
         if plan.grouped:
