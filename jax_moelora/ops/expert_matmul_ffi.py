@@ -62,11 +62,12 @@ def _route_operands(route: MoeExpertRoute | None, dtype) -> tuple:
     return (route.a_pool, route.b_pool, route.a_table, route.b_table, route.scale_table)
 
 
-_SCHEDULES = {"cooperative": "EXPERT_MATMUL_COOPERATIVE", "pingpong": "EXPERT_MATMUL_PINGPONG"}
+# expert_matmul's schedule names -> the custom call's `schedule` attribute
+_SCHEDULES = {"cooperative": _ext.EXPERT_MATMUL_COOPERATIVE,
+              "pingpong": _ext.EXPERT_MATMUL_PINGPONG}
 
 
-def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter, pdl: bool = True,
-                      schedule: str = "cooperative"):
+def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter, pdl: bool, schedule: str):
     """One custom call: the grouped GEMM of each weight set in ``ws`` (one or
     two ``[E, K, N]``) over ``xs [M, K]`` with the CUTLASS kernel of
     ``schedule`` (``"cooperative"`` or ``"pingpong"``), each output folded
@@ -93,5 +94,5 @@ def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter, pdl: bool = T
         num_weights=np.int64(nw), has_lora0=np.int64(routes[0] is not None),
         has_lora1=np.int64(nw > 1 and routes[1] is not None),
         has_row_adapter=np.int64(row_adapter is not None), sm_count=np.int64(sm),
-        pdl=np.int64(pdl), schedule=np.int64(getattr(_ext, _SCHEDULES[schedule])))
+        pdl=np.int64(pdl), schedule=np.int64(_SCHEDULES[schedule]))
     return out

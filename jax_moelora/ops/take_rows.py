@@ -29,14 +29,12 @@ def _take_words(x: jax.Array, ids: jax.Array) -> jax.Array:
 
 
 def _take_words_fwd(x, ids):
-    # x's row count and dtype ride on an empty array (residuals are arrays)
-    return _take_words(x, ids), (jnp.zeros((x.shape[0], 0), x.dtype), ids)
+    return _take_words(x, ids), (x, ids)
 
 
 def _take_words_bwd(res, g):
-    like, ids = res
-    dx = jnp.zeros((like.shape[0], g.shape[1]), g.dtype).at[ids].add(g)
-    return dx.astype(like.dtype), None
+    x, ids = res
+    return jnp.zeros_like(x).at[ids].add(g.astype(x.dtype)), None
 
 
 _take_words.defvjp(_take_words_fwd, _take_words_bwd)
@@ -54,5 +52,5 @@ def take_rows(x: jax.Array, ids: jax.Array) -> jax.Array:
     K]`` in x's dtype, bit-identical to ``x[ids]``.
     """
     if not _words(x):
-        return x[ids]
+        return _take(x, ids)
     return jax.lax.platform_dependent(x, ids, cuda=_take_words, default=_take)
