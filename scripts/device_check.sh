@@ -13,11 +13,12 @@
 #        differential fuzzing with FUZZ examples per test, default 100, on FUZZ_N
 #        workers within FUZZ_S seconds; sanall: SANALL_TOOLS, default "memcheck
 #        racecheck initcheck synccheck", over the whole GPU-marked suite in
-#        SANALL_N pytest --shard processes per tool (default 4; SANALL_SHARDS:
-#        the shard numbers this call runs, default all; SANALL_DONE_DIR: a
+#        SANALL_N processes per tool that take the tests from one queue (default 4;
+#        SANALL_SHARDS: the process numbers this call runs, default all; SANALL_DONE_DIR: a
 #        carried folder of <tool>.txt lists of tests checked in earlier calls,
-#        skipped; each call writes the lists anew as sanall_done_<tool>.txt,
-#        to split a run over calls), every tool at
+#        skipped, and <tool>_times.tsv, their seconds, longest run first; each call
+#        writes the lists anew as sanall_done_<tool>.txt and the seconds of its
+#        tests as sanall_times_<tool>.tsv, to split a run over calls), every tool at
 #        once, within SANALL_S seconds (default 480), every
 #        kernel checked, or those whose names match the regex SANALL_KERNELS
 #        (not initcheck's: it needs every kernel's writes tracked);
@@ -117,9 +118,17 @@ if has sanall; then  # every GPU-marked test under each tool, SANALL_N shards a 
   # and goes on. SANALL_OPTS: more compute-sanitizer options. On a machine
   # of several GPUs (nvidia-h200-x2, -x4, -x8) the processes take the GPUs in
   # turn, so a call runs about 16 processes a GPU (one a CPU core).
+  # The N processes of a tool take the tests from one queue (tests/conftest.py,
+  # --claim): each runs the next test no other has claimed, so none idles
+  # while another has a backlog. With SANALL_DONE_DIR, the queue runs the
+  # tests those lists lack longest first by the <tool>_times.tsv there
+  # (--order; unknown tests first); every test's seconds land in
+  # sanall_times_<tool>.tsv.
   tools=${SANALL_TOOLS:-memcheck racecheck initcheck synccheck}; n=${SANALL_N:-4}
   gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU'); [ "$gpus" -ge 1 ] || gpus=1
-  step "sanall: $tools, $n shards each, $gpus GPU(s)"
+  step "sanall: $tools, $n processes each, $gpus GPU(s)"
+  { compute-sanitizer --version; compute-sanitizer --help; } > "$R/sanall_tool.txt" 2>&1
+  rm -rf /tmp/moelora_claims; cat "${SANALL_DONE_DIR:-/nonexistent}"/*_times.tsv > /tmp/moelora_order.tsv 2> /dev/null
   j=0
   for tool in $tools; do
     opts=(--tool "$tool" --print-limit 20 ${SANALL_OPTS:-})
@@ -128,7 +137,9 @@ if has sanall; then  # every GPU-marked test under each tool, SANALL_N shards a 
     for i in ${SANALL_SHARDS:-$(seq 0 $((n - 1)))}; do
       ( export CUDA_VISIBLE_DEVICES=$(( j % gpus ))
         SAN_DONE="${SANALL_DONE_DIR:+$SANALL_DONE_DIR/$tool.txt}" san_shard "$R/sanall_${tool}_$i.log" \
-          "${SANALL_S:-480}" "${opts[@]}" -- --shard "$i/$n" ${SANALL_FILES:-} ${SANALL_K:+-k "$SANALL_K"} ) &
+          "${SANALL_S:-480}" "${opts[@]}" -- --shard "$i/$n" --claim "/tmp/moelora_claims/$tool" \
+          --order /tmp/moelora_order.tsv --timings "$R/sanall_times_$tool.tsv" \
+          ${SANALL_FILES:-} ${SANALL_K:+-k "$SANALL_K"} ) &
       j=$(( j + 1 ))
     done
   done

@@ -8,8 +8,10 @@
 # every kernel is a plain launch the tool sees, and XLA compiles each program
 # as one module: compute-sanitizer 2025.3 crashes (SIGSEGV) in programs that
 # XLA compiles in parallel pieces, the larger ones such as the block's
-# backward passes (docs/design.md, "Sanitizers"). SAN_XLA_FLAGS adds XLA
-# flags; SAN_DONE names a file of test ids (one a line) already checked by
+# backward passes (docs/design.md, "Sanitizers"). Every process shares one
+# JAX compilation cache (/tmp/moelora_san_jax_cache): a program compiles once
+# for all tools and shards, and XLA's autotuning runs once per fusion.
+# SAN_XLA_FLAGS adds XLA flags; SAN_DONE names a file of test ids (one a line) already checked by
 # this tool in earlier calls, deselected from the start. Sourced by device_check.sh;
 # tests/test_device_check.py runs it with a stand-in tool.
 san_shard() {
@@ -20,7 +22,9 @@ san_shard() {
   fi
   while [ "$(date +%s)" -lt "$end" ]; do
     local from=$(( $( (cat "$log" 2> /dev/null || true) | wc -l) + 1 )) rc broke
-    XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_force_compilation_parallelism=1 ${SAN_XLA_FLAGS:-}" timeout $(( end - $(date +%s) )) \
+    XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_force_compilation_parallelism=1 ${SAN_XLA_FLAGS:-}" \
+    JAX_COMPILATION_CACHE_DIR=/tmp/moelora_san_jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 timeout $(( end - $(date +%s) )) \
       compute-sanitizer "${san[@]}" python3 -m pytest -v -p no:cacheprovider -m gpu "${py[@]}" \
       "${checked[@]}" "${skip[@]}" >> "$log" 2>&1
     rc=$?

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,76 @@ def test_san_shard_resumes_after_an_internal_tool_error(tmp_path):
     assert "--deselect tests/test_fake.py::test_a" in second
     assert "--deselect tests/test_fake.py::test_b" in second
     assert "--deselect tests/test_fake.py::test_c" not in second
+
+
+# The work queue of the sanitizer runs (tests/conftest.py: --claim, --order,
+# --timings), on a file of quick tests that log which process ran them.
+QUEUE_TESTS = r"""
+import os, time
+import pytest
+
+@pytest.mark.parametrize("k", range(8))
+def test_q(k):
+    time.sleep(0.02 * (k % 3))
+    with open(os.environ["RAN"], "a") as f:
+        f.write(f"{os.environ['WHO']} test_q[{k}]\n")
+"""
+
+
+def _queue_run(tmp_path, who: str, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, RAN=str(tmp_path / "ran"), WHO=who,
+               PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+         "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path / "test_queue.py"), *args],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _ran(tmp_path) -> list[tuple[str, str]]:
+    return [tuple(ln.split()) for ln in (tmp_path / "ran").read_text().splitlines()]
+
+
+def test_claimed_queue_runs_every_test_once(tmp_path):
+    """Processes sharing a --claim folder run each test exactly once between
+    them, and --timings logs every test; alone, process I of N starts at the
+    I-th of N slices."""
+    (tmp_path / "test_queue.py").write_text(QUEUE_TESTS)
+    claims, times = tmp_path / "claims", tmp_path / "times.tsv"
+    procs = [_queue_run(tmp_path, str(i), "--shard", f"{i}/3", "--claim", str(claims),
+                        "--timings", str(times)) for i in range(3)]
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode in (0, 5), out                  # 5: every test claimed elsewhere
+    ran = _ran(tmp_path)
+    assert sorted(t for _, t in ran) == sorted(f"test_q[{k}]" for k in range(8))
+    rows = [ln.split("\t") for ln in times.read_text().splitlines()]
+    assert sorted(r[2] for r in rows) == sorted(f"test_queue.py::test_q[{k}]" for k in range(8))
+    assert {r[1] for r in rows} == {"passed"} and all(float(r[0]) >= 0 for r in rows)
+    (tmp_path / "ran").unlink()
+    p = _queue_run(tmp_path, "2", "--shard", "2/3", "--claim", str(tmp_path / "fresh"))
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0, out
+    assert [int(t[7]) for _, t in _ran(tmp_path)] == [5, 6, 7, 0, 1, 2, 3, 4]   # from 8 * 2 // 3
+
+
+def test_claimed_queue_order_and_restart(tmp_path):
+    """--order runs the longest test first, tests missing from the timings
+    before it; a test claimed by another process is not run, one claimed by
+    this process (before a restart) is."""
+    from conftest import claim, read_timings
+
+    (tmp_path / "test_queue.py").write_text(QUEUE_TESTS)
+    ids = [f"test_queue.py::test_q[{k}]" for k in range(8)]
+    order = tmp_path / "order.tsv"
+    order.write_text("".join(f"{1 + k}\tpassed\t{ids[k]}\n" for k in range(1, 8) if k != 3)
+                     + f"0.5\tpassed\t{ids[1]}\n")
+    assert read_timings(order)[ids[1]] == 2.0
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    assert claim(claims, ids[7], "1/2") and claim(claims, ids[6], "0/2")
+    assert not claim(claims, ids[7], "0/2") and claim(claims, ids[7], "1/2")
+    p = _queue_run(tmp_path, "0", "--shard", "0/2", "--claim", str(claims), "--order", str(order))
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0, out
+    assert [t for _, t in _ran(tmp_path)] == [
+        "test_q[0]", "test_q[3]", "test_q[6]", "test_q[5]", "test_q[4]", "test_q[2]", "test_q[1]"]
