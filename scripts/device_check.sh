@@ -123,7 +123,13 @@ if has sanall; then  # every GPU-marked test under each tool, SANALL_N shards a 
   # while another has a backlog. With SANALL_DONE_DIR, the queue runs the
   # tests those lists lack longest first by the <tool>_times.tsv there
   # (--order; unknown tests first); every test's seconds land in
-  # sanall_times_<tool>.tsv.
+  # sanall_times_<tool>.tsv (with a failure's message), from which, with the
+  # PASSED and SKIPPED lines of the logs, the lists of tests done are made.
+  # Records show the device backtrace only. Under XLA's default pool
+  # allocator a buffer reuses bytes an earlier test of the process wrote, so
+  # initcheck sees reads of memory nothing wrote in a process' first test
+  # only; XLA_PYTHON_CLIENT_ALLOCATOR=platform in the call's environment gives
+  # every buffer its own cudaMalloc (docs/design.md, "Sanitizers").
   tools=${SANALL_TOOLS:-memcheck racecheck initcheck synccheck}; n=${SANALL_N:-4}
   gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU'); [ "$gpus" -ge 1 ] || gpus=1
   step "sanall: $tools, $n processes each, $gpus GPU(s)"
@@ -131,14 +137,14 @@ if has sanall; then  # every GPU-marked test under each tool, SANALL_N shards a 
   rm -rf /tmp/moelora_claims; cat "${SANALL_DONE_DIR:-/nonexistent}"/*_times.tsv > /tmp/moelora_order.tsv 2> /dev/null
   j=0
   for tool in $tools; do
-    opts=(--tool "$tool" --print-limit 20 ${SANALL_OPTS:-})
+    opts=(--tool "$tool" --print-limit 20 --show-backtrace device ${SANALL_OPTS:-})
     if [ "$tool" = initcheck ]; then opts+=(--check-api-memory-access no)
     elif [ -n "${SANALL_KERNELS:-}" ]; then opts+=(--kernel-name "regex=$SANALL_KERNELS"); fi
     for i in ${SANALL_SHARDS:-$(seq 0 $((n - 1)))}; do
       ( export CUDA_VISIBLE_DEVICES=$(( j % gpus ))
         SAN_DONE="${SANALL_DONE_DIR:+$SANALL_DONE_DIR/$tool.txt}" san_shard "$R/sanall_${tool}_$i.log" \
-          "${SANALL_S:-480}" "${opts[@]}" -- --shard "$i/$n" --claim "/tmp/moelora_claims/$tool" \
-          --order /tmp/moelora_order.tsv --timings "$R/sanall_times_$tool.tsv" \
+          "${SANALL_S:-480}" "${opts[@]}" -- --shard="$i/$n" --claim="/tmp/moelora_claims/$tool" \
+          --order=/tmp/moelora_order.tsv --timings="$R/sanall_times_$tool.tsv" \
           ${SANALL_FILES:-} ${SANALL_K:+-k "$SANALL_K"} ) &
       j=$(( j + 1 ))
     done
@@ -147,6 +153,7 @@ if has sanall; then  # every GPU-marked test under each tool, SANALL_N shards a 
   for tool in $tools; do
     { [ -n "${SANALL_DONE_DIR:-}" ] && cat "$SANALL_DONE_DIR/$tool.txt" 2> /dev/null
       grep -ohE '^tests/[^ ]+::[^ ]+ (PASSED|SKIPPED)' "$R"/sanall_"$tool"_*.log | cut -d' ' -f1
+      awk -F'\t' '$2 != "failed" {print $3}' "$R/sanall_times_$tool.tsv" 2> /dev/null
     } | sort -u > "$R/sanall_done_$tool.txt"
     step "sanall $tool: $(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$R"/sanall_"$tool"_*.log | sort | uniq -c | tr -s ' ' | paste -sd';'); \
 $(grep -hE "(passed|failed).* in " "$R"/sanall_"$tool"_*.log | tr -s ' ' | paste -sd';'); \

@@ -58,7 +58,7 @@ def pytest_addoption(parser):
                           "first, those it lacks before all others")
     parser.addoption("--timings", default=None, metavar="FILE",
                      help="append a line per test to FILE: seconds (setup, call and teardown), "
-                          "outcome, test id, tab-separated")
+                          "outcome, test id and, for a failure, its error message, tab-separated")
 
 
 def _shard_spec(config) -> tuple[int, int] | None:
@@ -79,7 +79,7 @@ def read_timings(path) -> dict[str, float]:
     appears more than once)."""
     seconds: dict[str, float] = {}
     for line in Path(path).read_text().splitlines():
-        s, _, nodeid = line.split("\t", 2)
+        s, _, nodeid = line.split("\t")[:3]
         seconds[nodeid] = max(seconds.get(nodeid, 0.0), float(s))
     return seconds
 
@@ -152,8 +152,9 @@ def pytest_runtestloop(session):
 
 
 class _Timings:
-    """Appends each test's seconds and outcome to a file as it ends (the
-    sanitizer runs are killed when their time is up)."""
+    """Appends each test's seconds and outcome to a file as it ends, with a
+    failure's error message (the sanitizer runs are killed when their time is
+    up, before pytest prints its failure reports)."""
 
     RANK = {"passed": 0, "skipped": 1, "failed": 2}
 
@@ -161,6 +162,7 @@ class _Timings:
         self.path = path
         self.seconds: collections.Counter[str] = collections.Counter()
         self.outcome: dict[str, str] = {}
+        self.reason: dict[str, str] = {}
 
     def pytest_runtest_logreport(self, report):
         self.seconds[report.nodeid] += report.duration
@@ -168,10 +170,15 @@ class _Timings:
         if self.RANK[report.outcome] > self.RANK[worst]:
             worst = report.outcome
         self.outcome[report.nodeid] = worst
+        if report.failed and report.nodeid not in self.reason:
+            crash = getattr(report.longrepr, "reprcrash", None)
+            text = crash.message if crash is not None else report.longreprtext
+            self.reason[report.nodeid] = "\t" + " ".join(text.split())[:300]
         if report.when == "teardown":
             with open(self.path, "a") as f:
                 f.write(f"{self.seconds.pop(report.nodeid):.3f}\t"
-                        f"{self.outcome.pop(report.nodeid)}\t{report.nodeid}\n")
+                        f"{self.outcome.pop(report.nodeid)}\t{report.nodeid}"
+                        f"{self.reason.pop(report.nodeid, '')}\n")
 
 
 def pytest_configure(config):

@@ -127,11 +127,12 @@ def test_q(k):
     time.sleep(0.02 * (k % 3))
     with open(os.environ["RAN"], "a") as f:
         f.write(f"{os.environ['WHO']} test_q[{k}]\n")
+    assert os.environ.get("FAIL") != str(k), "planted failure"
 """
 
 
-def _queue_run(tmp_path, who: str, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, RAN=str(tmp_path / "ran"), WHO=who,
+def _queue_run(tmp_path, who: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+    env = dict(os.environ, RAN=str(tmp_path / "ran"), WHO=who, **(env or {}),
                PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     return subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
@@ -159,6 +160,7 @@ def test_claimed_queue_runs_every_test_once(tmp_path):
     rows = [ln.split("\t") for ln in times.read_text().splitlines()]
     assert sorted(r[2] for r in rows) == sorted(f"test_queue.py::test_q[{k}]" for k in range(8))
     assert {r[1] for r in rows} == {"passed"} and all(float(r[0]) >= 0 for r in rows)
+    assert all(len(r) == 3 for r in rows)
     (tmp_path / "ran").unlink()
     p = _queue_run(tmp_path, "2", "--shard", "2/3", "--claim", str(tmp_path / "fresh"))
     out, _ = p.communicate(timeout=120)
@@ -187,3 +189,16 @@ def test_claimed_queue_order_and_restart(tmp_path):
     assert p.returncode == 0, out
     assert [t for _, t in _ran(tmp_path)] == [
         "test_q[0]", "test_q[3]", "test_q[6]", "test_q[5]", "test_q[4]", "test_q[2]", "test_q[1]"]
+
+
+def test_timings_give_a_failure_its_message(tmp_path):
+    (tmp_path / "test_queue.py").write_text(QUEUE_TESTS)
+    times = tmp_path / "times.tsv"
+    p = _queue_run(tmp_path, "0", "--timings", str(times), "-k", "test_q[3] or test_q[4]",
+                   env={"FAIL": "3"})
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 1, out
+    rows = {r[2]: r for r in (ln.split("\t") for ln in times.read_text().splitlines())}
+    failed, passed = rows["test_queue.py::test_q[3]"], rows["test_queue.py::test_q[4]"]
+    assert failed[1] == "failed" and "planted failure" in failed[3]
+    assert passed[1] == "passed" and len(passed) == 3
