@@ -21,7 +21,9 @@
 #        tests as sanall_times_<tool>.tsv, to split a run over calls), every tool at
 #        once, within SANALL_S seconds (default 480), every
 #        kernel checked, or those whose names match the regex SANALL_KERNELS
-#        (not initcheck's: it needs every kernel's writes tracked);
+#        (not initcheck's: it needs every kernel's writes tracked; SANALL_API_CHECK:
+#        its --check-api-memory-access, default no); scripts/san_carry.sh folds a
+#        call's lists into .san_done for the next call;
 #        SANALL_OPTS: more compute-sanitizer options; SAN_XLA_FLAGS: more XLA
 #        flags under the tool; SANALL_FILES, SANALL_K:
 #        test files and a -k expression instead of the whole suite; tests during which the
@@ -138,7 +140,7 @@ if has sanall; then  # every GPU-marked test under each tool, SANALL_N shards a 
   j=0
   for tool in $tools; do
     opts=(--tool "$tool" --print-limit 20 --show-backtrace device ${SANALL_OPTS:-})
-    if [ "$tool" = initcheck ]; then opts+=(--check-api-memory-access no)
+    if [ "$tool" = initcheck ]; then opts+=(--check-api-memory-access "${SANALL_API_CHECK:-no}")
     elif [ -n "${SANALL_KERNELS:-}" ]; then opts+=(--kernel-name "regex=$SANALL_KERNELS"); fi
     for i in ${SANALL_SHARDS:-$(seq 0 $((n - 1)))}; do
       ( export CUDA_VISIBLE_DEVICES=$(( j % gpus ))

@@ -202,3 +202,29 @@ def test_timings_give_a_failure_its_message(tmp_path):
     failed, passed = rows["test_queue.py::test_q[3]"], rows["test_queue.py::test_q[4]"]
     assert failed[1] == "failed" and "planted failure" in failed[3]
     assert passed[1] == "passed" and len(passed) == 3
+
+
+@NEEDS_BASH
+def test_san_carry_folds_a_call_into_the_carried_lists(tmp_path):
+    """scripts/san_carry.sh: a call's done lists replace the carried ones (they
+    already include them), its seconds are appended."""
+    import tarfile
+
+    r = tmp_path / "r"
+    r.mkdir()
+    (r / "sanall_done_memcheck.txt").write_text("tests/a.py::x\ntests/a.py::y\n")
+    (r / "sanall_times_memcheck.tsv").write_text("1.5\tpassed\ttests/a.py::y\n")
+    with tarfile.open(tmp_path / "results.tgz", "w:gz") as tar:
+        tar.add(r, arcname="r")
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    (carried / "memcheck.txt").write_text("tests/a.py::x\n")
+    (carried / "memcheck_times.tsv").write_text("2.0\tpassed\ttests/a.py::x\n")
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "san_carry.sh"),
+                          str(tmp_path / "results.tgz"), str(carried)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "memcheck: 2 tests done"
+    assert (carried / "memcheck.txt").read_text().split() == ["tests/a.py::x", "tests/a.py::y"]
+    assert (carried / "memcheck_times.tsv").read_text().splitlines() == [
+        "2.0\tpassed\ttests/a.py::x", "1.5\tpassed\ttests/a.py::y"]
