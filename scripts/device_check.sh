@@ -125,8 +125,8 @@ if has sanall; then  # every GPU-marked test under each tool, SANALL_N shards a 
   # while another has a backlog. With SANALL_DONE_DIR, the queue runs the
   # tests those lists lack longest first by the <tool>_times.tsv there
   # (--order; unknown tests first); every test's seconds land in
-  # sanall_times_<tool>.tsv (with a failure's message), from which, with the
-  # PASSED and SKIPPED lines of the logs, the lists of tests done are made.
+  # sanall_times_<tool>.tsv (with a failure's message), from which the lists
+  # of tests done are made (the tool's output can split a log's PASSED line).
   # Records show the device backtrace only. Under XLA's default pool
   # allocator a buffer reuses bytes an earlier test of the process wrote, so
   # initcheck sees reads of memory nothing wrote in a process' first test
@@ -154,7 +154,6 @@ if has sanall; then  # every GPU-marked test under each tool, SANALL_N shards a 
   wait
   for tool in $tools; do
     { [ -n "${SANALL_DONE_DIR:-}" ] && cat "$SANALL_DONE_DIR/$tool.txt" 2> /dev/null
-      grep -ohE '^tests/[^ ]+::[^ ]+ (PASSED|SKIPPED)' "$R"/sanall_"$tool"_*.log | cut -d' ' -f1
       awk -F'\t' '$2 != "failed" {print $3}' "$R/sanall_times_$tool.tsv" 2> /dev/null
     } | sort -u > "$R/sanall_done_$tool.txt"
     step "sanall $tool: $(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$R"/sanall_"$tool"_*.log | sort | uniq -c | tr -s ' ' | paste -sd';'); \
