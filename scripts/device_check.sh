@@ -8,7 +8,7 @@
 # The machine has no network: the CUTLASS headers of expert_matmul come from
 # the nvidia-cutlass wheel in .whl/ (`pip download --no-deps "nvidia-cutlass==4.2.*"
 # -d .whl` here first); without it that kernel is not built.
-#   env: STEPS="build readme bench bench2 gemm timing suite soak fuzz memcheck racecheck initcheck synccheck sanall ncu scaling"
+#   env: STEPS="build readme bench bench2 gemm timing suite soak fuzz memcheck racecheck initcheck synccheck sanall sanruns ncu scaling"
 #        (soak: the 10,000-step soak with its counts printed; fuzz: the GPU
 #        differential fuzzing with FUZZ examples per test, default 100, on FUZZ_N
 #        workers within FUZZ_S seconds; sanall: SANALL_TOOLS, default "memcheck
@@ -29,6 +29,11 @@
 #        test files and a -k expression instead of the whole suite; tests during which the
 #        tool crashes or reports an internal error are listed as CRASHED and skipped;
 #        on a machine of several GPUs the processes take the GPUs in turn)
+#        sanruns: the sanitizer runs listed in the files SANRUNS (scripts/san_runs/),
+#        all at once, one process each, a line each, tab-separated: name,
+#        environment (VAR=value ..., or -), seconds, compute-sanitizer options,
+#        pytest arguments (test ids; no -k expression with spaces); logs
+#        sanrun_<name>.log and sanrun_times_<name>.tsv
 #        (readme: the README's GPU command without its download step, which
 #        builds the kernels and runs the demo on the GPU; it replaces build)
 #        BENCH="<bench args>"  BENCH2="<a second bench>"  BENCH_S, BENCH2_S=<their timeouts, 240, 200>  TESTS="<pytest args of the suite step>"
@@ -160,6 +165,24 @@ if has sanall; then  # every GPU-marked test under each tool, SANALL_N shards a 
 $(grep -hE "(passed|failed).* in " "$R"/sanall_"$tool"_*.log | tr -s ' ' | paste -sd';'); \
 crashed: $(grep -h '^CRASHED ' "$R"/sanall_"$tool"_*.log | wc -l), error records: $(san_errors "$R"/sanall_"$tool"_*.log)"
     grep -h '^CRASHED ' "$R"/sanall_"$tool"_*.log >> "$R/phases.log"
+  done
+fi
+if has sanruns; then  # the runs of SANRUNS, each in its own process, all at once
+  step "sanruns: ${SANRUNS:-}"
+  { compute-sanitizer --version; compute-sanitizer --help; } > "$R/sanall_tool.txt" 2>&1
+  while IFS=$'\t' read -r name envs secs opts args; do
+    case "$name" in ''|'#'*) continue;; esac
+    ( set -f; if [ "$envs" != - ]; then export $envs; fi
+      # shellcheck disable=SC2086  # opts and args are word lists
+      san_shard "$R/sanrun_$name.log" "$secs" --print-limit 20 --show-backtrace device $opts -- \
+        --timings="$R/sanrun_times_$name.tsv" $args ) &
+  done < <(cat ${SANRUNS:-/dev/null})
+  wait
+  for log in "$R"/sanrun_*.log; do
+    [ -f "$log" ] || continue
+    step "$(basename "$log" .log): $(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$log" | sort | uniq -c | tr -s ' ' | paste -sd';'); \
+$(grep -hE "(passed|failed).* in " "$log" | tr -s ' ' | paste -sd';'); crashed: $(grep -c '^CRASHED ' "$log"), \
+error records: $(san_errors "$log")"
   done
 fi
 has memcheck && san memcheck 150

@@ -228,3 +228,46 @@ def test_san_carry_folds_a_call_into_the_carried_lists(tmp_path):
     assert (carried / "memcheck.txt").read_text().split() == ["tests/a.py::x", "tests/a.py::y"]
     assert (carried / "memcheck_times.tsv").read_text().splitlines() == [
         "2.0\tpassed\ttests/a.py::x", "1.5\tpassed\ttests/a.py::y"]
+
+
+# Stands in for compute-sanitizer in device_check.sh's sanruns step: logs its
+# options and the allocator setting, passes every test id it is given.
+RUNS_TOOL = r"""#!/usr/bin/env bash
+echo "options: ${*%% python3 *} allocator=${XLA_PYTHON_CLIENT_ALLOCATOR:-default}"
+for a in "$@"; do case "$a" in tests/*) echo "$a PASSED [ 50%]";; esac; done
+echo "========= ERROR SUMMARY: 0 errors"
+"""
+
+
+@NEEDS_BASH
+def test_sanruns_runs_each_line_in_its_own_process(tmp_path):
+    """STEPS=sanruns: every line of the SANRUNS files runs under the tool with
+    its own environment, options and test ids (brackets kept), one log each,
+    and a summary line of each in phases.log."""
+    exe = tmp_path / "bin" / "compute-sanitizer"
+    exe.parent.mkdir()
+    exe.write_text(RUNS_TOOL)
+    exe.chmod(0o755)
+    runs = tmp_path / "runs.tsv"
+    runs.write_text("# a comment\n"
+                    "one\tXLA_PYTHON_CLIENT_ALLOCATOR=platform\t60\t--tool initcheck\t"
+                    "tests/test_a.py::test_x[bf16-r8] tests/test_a.py::test_y\n"
+                    "two\t-\t60\t--tool racecheck --launch-count 5\ttests/test_b.py::test_z[*]\n")
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{exe.parent}:{os.environ['PATH']}", OUT=str(out),
+               STEPS="sanruns", SANRUNS=str(runs), BUDGET="100")
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "device_check.sh")], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr
+    subprocess.run(["tar", "xzf", str(out / "results.tgz"), "-C", str(out)], check=True)
+    one = (out / "r" / "sanrun_one.log").read_text()
+    two = (out / "r" / "sanrun_two.log").read_text()
+    assert "--tool initcheck" in one and "allocator=platform" in one
+    assert "tests/test_a.py::test_x[bf16-r8] PASSED" in one and "test_a.py::test_y PASSED" in one
+    assert "--tool racecheck --launch-count 5" in two and "allocator=default" in two
+    assert "tests/test_b.py::test_z[*] PASSED" in two
+    summary = {ln.split()[1]: ln for ln in (out / "r" / "phases.log").read_text().splitlines()
+               if ln.split()[1:2] and ln.split()[1].startswith("sanrun_")}
+    assert sorted(summary) == ["sanrun_one:", "sanrun_two:"]
+    assert all("ERROR SUMMARY: 0 errors" in ln and "error records: 0" in ln
+               for ln in summary.values())

@@ -7,6 +7,7 @@
 
 #include "expert_matmul.h"
 #include "expert_matmul_config.cuh"
+#include "sanitizer_marks.h"
 
 namespace moelora::expert_gemm {
 
@@ -142,10 +143,16 @@ cudaError_t run(const ExpertGemmArgs& a, cudaStream_t stream) {
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
   if (gemm.initialize(args, base + l.workspace, stream) != cutlass::Status::kSuccess)
     return cudaErrorInvalidConfiguration;
+  // For initcheck (sanitizer_marks.h): the CTAs' tensor-map copies into the
+  // workspace are writes, and after the GEMM every output row is written
+  // (rows below offsets[E] by its TMA stores, the rest zeroed above).
+  mark_initialized(base + l.workspace, size_t(workspace_bytes), stream);
   if (gemm.run(stream) != cutlass::Status::kSuccess) {
     const cudaError_t err = cudaPeekAtLastError();
     return err != cudaSuccess ? err : cudaErrorLaunchFailure;
   }
+  for (int64_t wi = 0; wi < a.num_weights; ++wi)
+    mark_initialized(a.out[wi], size_t(a.M * a.N) * sizeof(T), stream);
   return cudaPeekAtLastError();
 }
 
