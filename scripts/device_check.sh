@@ -133,11 +133,11 @@ if has sanall; then  # every GPU-marked test under each tool, SANALL_N shards a 
   # (--order; unknown tests first); every test's seconds land in
   # sanall_times_<tool>.tsv (with a failure's message), from which the lists
   # of tests done are made (the tool's output can split a log's PASSED line).
-  # Records show the device backtrace only. Under XLA's default pool
-  # allocator a buffer reuses bytes an earlier test of the process wrote, so
-  # initcheck sees reads of memory nothing wrote in a process' first test
-  # only; XLA_PYTHON_CLIENT_ALLOCATOR=platform in the call's environment gives
-  # every buffer its own cudaMalloc (docs/design.md, "Sanitizers").
+  # Records show the device backtrace only. initcheck runs with XLA's
+  # platform allocator, one cudaMalloc a buffer: under the default pool a
+  # buffer reuses bytes an earlier test of the process wrote, and the tool
+  # would see reads of memory nothing wrote in a process' first test only
+  # (docs/design.md, "Sanitizers").
   tools=${SANALL_TOOLS:-memcheck racecheck initcheck synccheck}; n=${SANALL_N:-4}
   gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU'); [ "$gpus" -ge 1 ] || gpus=1
   step "sanall: $tools, $n processes each, $gpus GPU(s)"
@@ -150,6 +150,7 @@ if has sanall; then  # every GPU-marked test under each tool, SANALL_N shards a 
     elif [ -n "${SANALL_KERNELS:-}" ]; then opts+=(--kernel-name "regex=$SANALL_KERNELS"); fi
     for i in ${SANALL_SHARDS:-$(seq 0 $((n - 1)))}; do
       ( export CUDA_VISIBLE_DEVICES=$(( j % gpus ))
+        [ "$tool" = initcheck ] && export XLA_PYTHON_CLIENT_ALLOCATOR=platform
         SAN_DONE="${SANALL_DONE_DIR:+$SANALL_DONE_DIR/$tool.txt}" san_shard "$R/sanall_${tool}_$i.log" \
           "${SANALL_S:-480}" "${opts[@]}" -- --shard="$i/$n" --claim="/tmp/moelora_claims/$tool" \
           --order=/tmp/moelora_order.tsv --timings="$R/sanall_times_$tool.tsv" \

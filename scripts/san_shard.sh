@@ -5,10 +5,12 @@
 # exception", after which every CUDA call of the process fails), the test it
 # happened in is logged on a line of its own as "CRASHED <id>" and the run
 # resumes without it and the tests already passed or skipped. XLA's command buffers are off, so
-# every kernel is a plain launch the tool sees, and XLA compiles each program
+# every kernel is a plain launch the tool sees; XLA compiles each program
 # as one module: compute-sanitizer 2025.3 crashes (SIGSEGV) in programs that
 # XLA compiles in parallel pieces, the larger ones such as the block's
-# backward passes (docs/design.md, "Sanitizers"). Every process shares one
+# backward passes; and XLA does not autotune: racecheck stops with an internal
+# error inside the autotuner's runs of candidate GEMMs, and initcheck reports
+# its comparisons of their outputs (docs/design.md, "Sanitizers"). Every process shares one
 # JAX compilation cache (/tmp/moelora_san_jax_cache): a program compiles once
 # for all tools and shards, and XLA's autotuning runs once per fusion.
 # SAN_XLA_FLAGS adds XLA flags; SAN_DONE names a file of test ids (one a line) already checked by
@@ -22,7 +24,7 @@ san_shard() {
   fi
   while [ "$(date +%s)" -lt "$end" ]; do
     local from=$(( $( (cat "$log" 2> /dev/null || true) | wc -l) + 1 )) rc broke
-    XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_force_compilation_parallelism=1 ${SAN_XLA_FLAGS:-}" \
+    XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_force_compilation_parallelism=1 --xla_gpu_autotune_level=0 ${SAN_XLA_FLAGS:-}" \
     JAX_COMPILATION_CACHE_DIR=/tmp/moelora_san_jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 timeout $(( end - $(date +%s) )) \
       compute-sanitizer "${san[@]}" python3 -m pytest -v -p no:cacheprovider -m gpu "${py[@]}" \
