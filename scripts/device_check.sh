@@ -32,7 +32,7 @@
 #        sanruns: the sanitizer runs listed in the files SANRUNS (scripts/san_runs/),
 #        all at once, one process each, a line each, tab-separated: name,
 #        environment (VAR=value ..., or -), seconds, compute-sanitizer options
-#        (--print-limit 20 unless given),
+#        (--print-limit 20 and --show-backtrace device unless given),
 #        pytest arguments (test ids; no -k expression with spaces); logs
 #        sanrun_<name>.log and sanrun_times_<name>.tsv
 #        (readme: the README's GPU command without its download step, which
@@ -175,9 +175,10 @@ if has sanruns; then  # the runs of SANRUNS, each in its own process, all at onc
   while IFS=$'\t' read -r name envs secs opts args; do
     case "$name" in ''|'#'*) continue;; esac
     case " $opts " in *" --print-limit "*) ;; *) opts="--print-limit 20 $opts";; esac
+    case " $opts " in *" --show-backtrace "*) ;; *) opts="--show-backtrace device $opts";; esac
     ( set -f; if [ "$envs" != - ]; then export $envs; fi
       # shellcheck disable=SC2086  # opts and args are word lists
-      san_shard "$R/sanrun_$name.log" "$secs" --show-backtrace device $opts -- \
+      san_shard "$R/sanrun_$name.log" "$secs" $opts -- \
         --timings="$R/sanrun_times_$name.tsv" $args ) &
   done < <(cat ${SANRUNS:-/dev/null})
   wait
