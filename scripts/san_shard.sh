@@ -12,7 +12,7 @@
 # error inside the autotuner's runs of candidate GEMMs, and initcheck reports
 # its comparisons of their outputs (docs/design.md, "Sanitizers"). Every process shares one
 # JAX compilation cache (/tmp/moelora_san_jax_cache): a program compiles once
-# for all tools and shards, and XLA's autotuning runs once per fusion.
+# for all tools and shards.
 # SAN_XLA_FLAGS adds XLA flags; SAN_DONE names a file of test ids (one a line) already checked by
 # this tool in earlier calls, deselected from the start. Sourced by device_check.sh;
 # tests/test_device_check.py runs it with a stand-in tool.
