@@ -109,7 +109,10 @@ if has fuzz; then
   step fuzz; MOELORA_FUZZ_EXAMPLES=${FUZZ:-100} timeout "${FUZZ_S:-300}" python3 -m pytest -q -p no:cacheprovider \
     -n "${FUZZ_N:-8}" tests/test_differential.py > "$R/fuzz.log" 2>&1; step "fuzz rc=$?"
 fi
-source "$(dirname "$0")/san_shard.sh"  # san_shard, san_errors
+source "$(dirname "$0")/san_shard.sh"  # san_shard, san_errors, san_summary
+if has sanall || has sanruns; then
+  { compute-sanitizer --version; compute-sanitizer --help; } > "$R/sanall_tool.txt" 2>&1
+fi
 san() {  # san TOOL SECONDS: the tool over the sanitizer tests (SAN_FILES, SAN_K)
   step "$1"; san_shard "$R/$1.log" "$2" --tool "$1" --print-limit 20 -- -x -k "${SAN_K:-fast and not large}" \
     ${SAN_FILES:-tests/test_folds.py tests/test_stacked.py}; step "$1 done"
@@ -141,7 +144,6 @@ if has sanall; then  # every GPU-marked test under each tool, SANALL_N shards a 
   tools=${SANALL_TOOLS:-memcheck racecheck initcheck synccheck}; n=${SANALL_N:-4}
   gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU'); [ "$gpus" -ge 1 ] || gpus=1
   step "sanall: $tools, $n processes each, $gpus GPU(s)"
-  { compute-sanitizer --version; compute-sanitizer --help; } > "$R/sanall_tool.txt" 2>&1
   rm -rf /tmp/moelora_claims; cat "${SANALL_DONE_DIR:-/nonexistent}"/*_times.tsv > /tmp/moelora_order.tsv 2> /dev/null
   j=0
   for tool in $tools; do
@@ -163,15 +165,12 @@ if has sanall; then  # every GPU-marked test under each tool, SANALL_N shards a 
     { [ -n "${SANALL_DONE_DIR:-}" ] && cat "$SANALL_DONE_DIR/$tool.txt" 2> /dev/null
       awk -F'\t' '$2 != "failed" {print $3}' "$R/sanall_times_$tool.tsv" 2> /dev/null
     } | sort -u > "$R/sanall_done_$tool.txt"
-    step "sanall $tool: $(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$R"/sanall_"$tool"_*.log | sort | uniq -c | tr -s ' ' | paste -sd';'); \
-$(grep -hE "(passed|failed).* in " "$R"/sanall_"$tool"_*.log | tr -s ' ' | paste -sd';'); \
-crashed: $(grep -h '^CRASHED ' "$R"/sanall_"$tool"_*.log | wc -l), error records: $(san_errors "$R"/sanall_"$tool"_*.log)"
+    step "sanall $tool: $(san_summary "$R"/sanall_"$tool"_*.log)"
     grep -h '^CRASHED ' "$R"/sanall_"$tool"_*.log >> "$R/phases.log"
   done
 fi
 if has sanruns; then  # the runs of SANRUNS, each in its own process, all at once
   step "sanruns: ${SANRUNS:-}"
-  { compute-sanitizer --version; compute-sanitizer --help; } > "$R/sanall_tool.txt" 2>&1
   while IFS=$'\t' read -r name envs secs opts args; do
     case "$name" in ''|'#'*) continue;; esac
     case " $opts " in *" --print-limit "*) ;; *) opts="--print-limit 20 $opts";; esac
@@ -184,9 +183,7 @@ if has sanruns; then  # the runs of SANRUNS, each in its own process, all at onc
   wait
   for log in "$R"/sanrun_*.log; do
     [ -f "$log" ] || continue
-    step "$(basename "$log" .log): $(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$log" | sort | uniq -c | tr -s ' ' | paste -sd';'); \
-$(grep -hE "(passed|failed).* in " "$log" | tr -s ' ' | paste -sd';'); crashed: $(grep -c '^CRASHED ' "$log"), \
-error records: $(san_errors "$log")"
+    step "$(basename "$log" .log): $(san_summary "$log")"
   done
 fi
 has memcheck && san memcheck 150

@@ -49,3 +49,11 @@ san_shard() {
 san_errors() {
   cat "$@" | grep -cE '^========= (Invalid|Uninitialized|Error|Race|Barrier|Potential|Warning)'
 }
+
+# san_summary LOG...: one line on the runs in the logs: the tool's summaries
+# (counted), pytest's, the tests the tool crashed in, and the error records.
+san_summary() {
+  echo "$(grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$@" | sort | uniq -c | tr -s ' ' | paste -sd';'); \
+$(grep -hE "(passed|failed).* in " "$@" | tr -s ' ' | paste -sd';'); \
+crashed: $(cat "$@" | grep -c '^CRASHED '), error records: $(san_errors "$@")"
+}
