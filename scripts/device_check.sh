@@ -25,7 +25,8 @@
 #        its --check-api-memory-access, default no); scripts/san_carry.sh folds a
 #        call's lists into .san_done for the next call;
 #        SANALL_OPTS: more compute-sanitizer options; SAN_XLA_FLAGS: more XLA
-#        flags under the tool; SANALL_FILES, SANALL_K:
+#        flags under the tool; SAN_ASYNC_SLICES=1: a loop's slices on their own
+#        stream (scripts/san_shard.sh); SANALL_FILES, SANALL_K:
 #        test files and a -k expression instead of the whole suite; tests during which the
 #        tool crashes or reports an internal error are listed as CRASHED and skipped;
 #        on a machine of several GPUs the processes take the GPUs in turn)

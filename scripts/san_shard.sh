@@ -10,21 +10,29 @@
 # XLA compiles in parallel pieces, the larger ones such as the block's
 # backward passes; and XLA does not autotune: racecheck stops with an internal
 # error inside the autotuner's runs of candidate GEMMs, and initcheck reports
-# its comparisons of their outputs (docs/design.md, "Sanitizers"). Every process shares one
+# its comparisons of their outputs; and the slices XLA cuts from a loop's
+# stacked operands run on the main stream (XLA's pass
+# dynamic-slice-copy-fusion-async-wrapper off): run on a second stream,
+# initcheck sees their writes after or before the reads that follow them, in
+# no fixed order (docs/design.md, "Sanitizers"). Every process shares one
 # JAX compilation cache (/tmp/moelora_san_jax_cache): a program compiles once
 # for all tools and shards.
+# SAN_ASYNC_SLICES=1 leaves those slices on their own stream (the controls of
+# scripts/san_runs/initcheck_async.tsv).
 # SAN_XLA_FLAGS adds XLA flags; SAN_DONE names a file of test ids (one a line) already checked by
 # this tool in earlier calls, deselected from the start. Sourced by device_check.sh;
 # tests/test_device_check.py runs it with a stand-in tool.
 san_shard() {
   local log=$1 end=$(( $(date +%s) + $2 )); shift 2; local san=() py=() skip=() checked=() t
+  local slices=--xla_disable_hlo_passes=dynamic-slice-copy-fusion-async-wrapper
+  [ "${SAN_ASYNC_SLICES:-0}" = 1 ] && slices=
   while [ "$1" != -- ]; do san+=("$1"); shift; done; shift; py=("$@")
   if [ -n "${SAN_DONE:-}" ] && [ -f "$SAN_DONE" ]; then
     for t in $(cat "$SAN_DONE"); do checked+=(--deselect "$t"); done
   fi
   while [ "$(date +%s)" -lt "$end" ]; do
     local from=$(( $( (cat "$log" 2> /dev/null || true) | wc -l) + 1 )) rc broke
-    XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_force_compilation_parallelism=1 --xla_gpu_autotune_level=0 ${SAN_XLA_FLAGS:-}" \
+    XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_force_compilation_parallelism=1 --xla_gpu_autotune_level=0 $slices ${SAN_XLA_FLAGS:-}" \
     JAX_COMPILATION_CACHE_DIR=/tmp/moelora_san_jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 timeout $(( end - $(date +%s) )) \
       compute-sanitizer "${san[@]}" python3 -m pytest -v -p no:cacheprovider -m gpu "${py[@]}" \

@@ -76,10 +76,13 @@ def _shard_spec(config) -> tuple[int, int] | None:
 
 def read_timings(path) -> dict[str, float]:
     """Seconds per test id of a ``--timings`` file (the longest where a test
-    appears more than once)."""
+    appears more than once). A header line (``seconds<TAB>outcome<TAB>test``,
+    as the copies under ``docs/bench_h200/runs/`` have) is skipped."""
     seconds: dict[str, float] = {}
     for line in Path(path).read_text().splitlines():
         s, _, nodeid = line.split("\t")[:3]
+        if s == "seconds":
+            continue
         seconds[nodeid] = max(seconds.get(nodeid, 0.0), float(s))
     return seconds
 

@@ -32,16 +32,18 @@ echo "========= ERROR SUMMARY: 0 errors"
 """
 
 
-def _run_san_shard(tmp_path, tool_text: str, tool: str, done: str | None = None):
+def _run_san_shard(tmp_path, tool_text: str, tool: str, done: str | None = None,
+                   **env_vars: str):
     """``san_shard`` under the stand-in ``compute-sanitizer`` ``tool_text``
-    (``done``: the SAN_DONE list of earlier calls); returns the run's stdout,
-    the log's lines and the tool's command lines, one per run."""
+    (``done``: the SAN_DONE list of earlier calls; ``env_vars``: more
+    environment); returns the run's stdout, the log's lines and the tool's
+    command lines, one per run."""
     exe = tmp_path / "bin" / "compute-sanitizer"
     exe.parent.mkdir()
     exe.write_text(tool_text)
     exe.chmod(0o755)
     log, calls = tmp_path / "san.log", tmp_path / "calls"
-    env = dict(os.environ, PATH=f"{exe.parent}:{os.environ['PATH']}", CALLS=str(calls))
+    env = dict(os.environ, PATH=f"{exe.parent}:{os.environ['PATH']}", CALLS=str(calls), **env_vars)
     if done is not None:
         (tmp_path / "done.txt").write_text(done)
         env["SAN_DONE"] = str(tmp_path / "done.txt")
@@ -116,6 +118,32 @@ def test_san_shard_resumes_after_an_internal_tool_error(tmp_path):
     assert "--deselect tests/test_fake.py::test_c" not in second
 
 
+# Stands in for a tool that logs the XLA flags its process gets.
+FAKE_TOOL_FLAGS = r"""#!/usr/bin/env bash
+echo "$XLA_FLAGS" >> "$CALLS"
+echo "tests/test_fake.py::test_a PASSED [100%]"
+"""
+ASYNC_SLICES_OFF = "--xla_disable_hlo_passes=dynamic-slice-copy-fusion-async-wrapper"
+
+
+@NEEDS_BASH
+@pytest.mark.parametrize("async_slices", [None, "1"])
+def test_san_shard_xla_flags(tmp_path, async_slices):
+    """Under every tool, XLA runs without command buffers or autotuning, in
+    one compilation module, and with a loop's slices on the main stream, unless
+    SAN_ASYNC_SLICES=1; SAN_XLA_FLAGS comes last."""
+    env = {"SAN_XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+    if async_slices:
+        env["SAN_ASYNC_SLICES"] = async_slices
+    _, _, (flags,) = _run_san_shard(tmp_path, FAKE_TOOL_FLAGS, "initcheck", **env)
+    words = flags.split()
+    assert {"--xla_gpu_enable_command_buffer=", "--xla_gpu_autotune_level=0",
+            "--xla_gpu_force_compilation_parallelism=1"} <= set(words)
+    assert (ASYNC_SLICES_OFF in words) == (async_slices is None)
+    assert words[-1] == "--xla_dump_to=/tmp/x"
+
+
+
 # The work queue of the sanitizer runs (tests/conftest.py: --claim, --order,
 # --timings), on a file of quick tests that log which process ran them.
 QUEUE_TESTS = r"""
@@ -170,14 +198,15 @@ def test_claimed_queue_runs_every_test_once(tmp_path):
 
 def test_claimed_queue_order_and_restart(tmp_path):
     """--order runs the longest test first, tests missing from the timings
-    before it; a test claimed by another process is not run, one claimed by
+    before it (a header line of the timings skipped); a test claimed by another process is not run, one claimed by
     this process (before a restart) is."""
     from conftest import claim, read_timings
 
     (tmp_path / "test_queue.py").write_text(QUEUE_TESTS)
     ids = [f"test_queue.py::test_q[{k}]" for k in range(8)]
     order = tmp_path / "order.tsv"
-    order.write_text("".join(f"{1 + k}\tpassed\t{ids[k]}\n" for k in range(1, 8) if k != 3)
+    order.write_text("seconds\toutcome\ttest\n"
+                     + "".join(f"{1 + k}\tpassed\t{ids[k]}\n" for k in range(1, 8) if k != 3)
                      + f"0.5\tpassed\t{ids[1]}\n")
     assert read_timings(order)[ids[1]] == 2.0
     claims = tmp_path / "claims"
