@@ -4,19 +4,21 @@
 # an "Internal Sanitizer Error" (racecheck's "failed to handle a hardware
 # exception", after which every CUDA call of the process fails), the test it
 # happened in is logged on a line of its own as "CRASHED <id>" and the run
-# resumes without it and the tests already passed or skipped. XLA's command buffers are off, so
-# every kernel is a plain launch the tool sees; XLA compiles each program
-# as one module: compute-sanitizer 2025.3 crashes (SIGSEGV) in programs that
-# XLA compiles in parallel pieces, the larger ones such as the block's
-# backward passes; and XLA does not autotune: racecheck stops with an internal
-# error inside the autotuner's runs of candidate GEMMs, and initcheck reports
-# its comparisons of their outputs; and the slices XLA cuts from a loop's
-# stacked operands run on the main stream (XLA's pass
-# dynamic-slice-copy-fusion-async-wrapper off): run on a second stream,
-# initcheck sees their writes after or before the reads that follow them, in
-# no fixed order (docs/design.md, "Sanitizers"). Every process shares one
-# JAX compilation cache (/tmp/moelora_san_jax_cache): a program compiles once
-# for all tools and shards.
+# resumes without it and the tests already passed or skipped. XLA runs as the
+# tools need it (docs/design.md, "Sanitizers"):
+#   - command buffers off: every kernel is a plain launch the tool sees;
+#   - each program compiled as one module: compute-sanitizer 2025.3 crashes
+#     (SIGSEGV) in programs XLA compiles in parallel pieces, the larger ones
+#     such as the block's backward passes;
+#   - no autotuning: racecheck stops with an internal error inside the
+#     autotuner's runs of candidate GEMMs, and initcheck reports its
+#     comparisons of their outputs;
+#   - the slices XLA cuts from a loop's stacked operands on the main stream
+#     (pass dynamic-slice-copy-fusion-async-wrapper off): on a stream of their
+#     own, initcheck counts their writes before or after the reads that follow
+#     them, in no fixed order.
+# Every process shares one JAX compilation cache (/tmp/moelora_san_jax_cache):
+# a program compiles once for all tools and shards.
 # SAN_ASYNC_SLICES=1 leaves those slices on their own stream (the controls of
 # scripts/san_runs/initcheck_async.tsv).
 # SAN_XLA_FLAGS adds XLA flags; SAN_DONE names a file of test ids (one a line) already checked by
