@@ -6,7 +6,11 @@ each pair of elements to one ``uint32`` first (``K`` even), gathers those
 words and bitcasts back: the same bits, half the elements to move (H200,
 32,768 rows of 2,048 bf16 from 4,096: 86-87 µs -> 55-58 µs). On other
 platforms it is ``x[ids]`` (XLA:CPU copies the words more slowly). Its
-gradient is ``x[ids]``'s (the cotangent rows added into their source rows).
+gradient is ``x[ids]``'s: the cotangent rows added into their source rows in
+x's dtype. Where ids repeat, XLA leaves the order of those adds unspecified
+(on a GPU they are atomic), so such rows may differ from ``x[ids]``'s
+gradient by the rounding of another order (an ulp of f16); the forward is
+bit-identical.
 """
 
 from __future__ import annotations
