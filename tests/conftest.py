@@ -1,10 +1,20 @@
+"""Suite-wide settings, markers and options.
+
+Before JAX starts, ``XLA_PYTHON_CLIENT_PREALLOCATE`` defaults to ``false``:
+JAX would otherwise take 75 % of a GPU's memory in each process, so only one
+pytest-xdist worker (``pytest -n N``) could start on a GPU. A value set in
+the environment wins.
+"""
+
 import collections
 import hashlib
 import math
 import os
 from pathlib import Path
 
-import jax
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402  (after the setting above)
 import pytest
 
 # The suite checks the math against float64 references. XLA's default for f32
