@@ -122,6 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="benchmark the grouped expert GEMM (expert_matmul, with and without "
                              "LoRA, against lax.ragged_dot) instead of the folds; see "
                              "jax_moelora/bench_gemm.py (projections gate_up and down)")
+    parser.add_argument("--train", action="store_true",
+                        help="benchmark training of the expert MLP and the MoEBlock instead of "
+                             "the folds: forward, forward + backward w.r.t. the LoRA pools, their "
+                             "ratio, %% of the flop and byte floors, peak memory; see "
+                             "jax_moelora/bench_train.py (--methods picks its programs, "
+                             "--ragged-max-gib bounds its jnp check)")
     parser.add_argument("--quick", action="store_true",
                         help="a subset: Qwen gate/down, rank 16, 1 and 4 adapters, tokens "
                              "1, 64, 4096 (CPU: 1, 64, 320 and fewer reps/runs)")
@@ -506,6 +512,13 @@ def list_cases(s: Settings, console: Console) -> None:
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``python -m jax_moelora bench``; 1 on any mismatch or error."""
     console = Console() if sys.stdout.isatty() else Console(width=150)
+    if getattr(args, "train", False):
+        if getattr(args, "gemm", False):
+            console.print("[red]bench:[/] --train and --gemm are separate benchmarks")
+            return 2
+        from jax_moelora import bench_train
+
+        return bench_train.run(args)
     if getattr(args, "gemm", False):
         from jax_moelora import bench_gemm
 

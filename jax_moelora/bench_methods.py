@@ -298,15 +298,16 @@ def make_loop(fold: Fold, reps: int, unroll: int = 1, cold: bool = False):
 
 
 def time_loop(loop, base_out: jax.Array, args: Any, *, reps: int, runs: int, warmup: int = 2,
-              first: Callable[[jax.Array], None] | None = None) -> float:
+              first: Callable[[Any], None] | None = None) -> float:
     """Seconds per fold of ``loop`` (``make_loop``): the median of ``runs``
     timed runs after ``warmup`` untimed ones, divided by ``reps``.
 
-    ``base_out`` is copied first (the loop donates its carry) and each run
-    continues from the last one's output; ``first`` is called with the
-    output of the first run (``reps`` folds of ``base_out``).
+    ``base_out`` (an array or a pytree of arrays) is copied first (the loop
+    donates its carry) and each run continues from the last one's output;
+    ``first`` is called with the output of the first run (``reps`` folds of
+    ``base_out``).
     """
-    out = jax.block_until_ready(loop(jnp.copy(base_out), args))
+    out = jax.block_until_ready(loop(jax.tree_util.tree_map(jnp.copy, base_out), args))
     if first is not None:
         first(out)
     for _ in range(max(1, warmup) - 1):
