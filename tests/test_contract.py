@@ -172,6 +172,39 @@ def test_validate_under_jit_with_checkify_names_the_token(rng):
     err.throw()  # no error on good metadata
 
 
+@pytest.mark.parametrize("impl", ["cpu", "jnp"])
+@pytest.mark.parametrize("stacked", [False, True], ids=["route", "stacked"])
+@pytest.mark.parametrize("x_gather", [1, 0], ids=["bound_x_rows", "bound_row_adapter"])
+def test_validate_bounds_read_tokens_by_num_tokens_itself(rng, impl, stacked, x_gather):
+    """A token id that is read must lie in ``[0, num_tokens)``, ``num_tokens``
+    being ``x``'s rows with ``x_gather=1``, else the row-adapter map's length
+    (neither is ``te``): ``num_tokens`` itself and ``-1`` raise, naming the
+    row and the value; ``0`` and ``num_tokens - 1`` pass. The same with a
+    ``StackedRoute``."""
+    case = _small_grouped(rng, x_gather=x_gather, row_adapter=not x_gather)
+    x, base, offs, stid, route, ra = case.operands()
+    n = x.shape[0] if x_gather else ra.shape[0]
+    assert n != stid.shape[0]
+    row = 3
+    with on_platform(impl):
+        x, base, offs, route, ra = to_device((x, base, offs, route, ra))
+        if stacked:
+            route, base = ml.stack_routes(route, route), jnp.stack([base, base])
+
+        def fold(token):
+            return ml.moe_lora_grouped_down(x, base, offs, jnp.asarray(stid).at[row].set(token),
+                                            route, ra, x_gather=x_gather, impl=impl,
+                                            validate=True)
+
+        for token in (n, -1):
+            with pytest.raises(checkify.JaxRuntimeError,
+                               match=rf"sorted_token_ids must be in \[0, {n}\) .* "
+                                     rf"row {row} holds {token} "):
+                fold(token)
+        for token in (0, n - 1):
+            fold(token)
+
+
 @pytest.mark.usefixtures("on_cpu")
 def test_validate_ignores_tokens_that_are_never_read(rng):
     case = _small_grouped(rng, x_gather=0, row_adapter=False)
