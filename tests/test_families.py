@@ -149,6 +149,48 @@ def test_gpt_oss_clamps_act():
     assert (np.abs(gu[..., 1::2]) > family.limit).mean() > 0.05
 
 
+@pytest.mark.parametrize("given_by", ["init", "load"])
+def test_gpt_oss_router_adds_the_bias_it_is_given(given_by):
+    """gpt-oss's router logits are ``x @ W + b``. The test gives ``W`` and a
+    non-zero ``b`` to the block (as its initializers, or as transformers
+    tensors through ``load_transformers_weights``) and derives the logits,
+    the chosen experts, their weights and the block's output from those
+    values, never from the block's router state: a block that dropped the
+    bias (no bias parameter, a zero one, logits without it) chooses other
+    experts for most tokens here."""
+    family, top_k = CASES["gpt-oss"]
+    rng = np.random.default_rng(12)
+    w = (rng.standard_normal((H, E)) / np.sqrt(H)).astype(np.float32)
+    b = (2.0 * rng.standard_normal(E)).astype(np.float32)
+    if given_by == "init":
+        block = MoEBlock(H, I, E, top_k, family=family, lora=False, rngs=nnx.Rngs(0),
+                         router_kernel_init=lambda key, shape, dtype: jnp.asarray(w, dtype),
+                         router_bias_init=lambda key, shape, dtype: jnp.asarray(b, dtype))
+    else:
+        block = MoEBlock(H, I, E, top_k, family=family, lora=False, rngs=nnx.Rngs(0))
+        prefix = "model.layers.0.mlp."
+        t = transformers_tensors(rng, "gpt-oss", block, prefix)
+        t |= {prefix + "router.weight": w.T.copy(), prefix + "router.bias": b}
+        load_transformers_weights(block, t, prefix)
+    assert block.router.bias is not None, "gpt-oss's router has no bias"
+    x, _ = inputs(13)
+    logits = x.astype(np.float64) @ w + b
+    want = [route_reference(family, logits[t], top_k) for t in range(T)]
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(np.asarray(block.router(jnp.asarray(x)), np.float64), logits,
+                                   rtol=1e-5, atol=1e-5)
+        weights, ids = (np.asarray(v) for v in block.route(jnp.asarray(x), None, None, "jnp"))
+        y = np.asarray(block(jnp.asarray(x)), np.float64)
+    for t, (rw, rids) in enumerate(want):
+        np.testing.assert_array_equal(ids[t], rids)
+        np.testing.assert_allclose(weights[t], rw, rtol=1e-5)
+    ref = moe_block_reference(family, {**block_params(block), "router": w, "router_bias": b},
+                              x, top_k)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+    # without the bias most tokens take other experts: each check above can fail
+    unbiased = [route_reference(family, lt - b, top_k)[1] for lt in logits]
+    assert sum(set(u) != set(r) for u, (_, r) in zip(unbiased, want)) > T // 2
+
 def test_deepseek_v3_correction_bias_chooses_but_does_not_weigh():
     family = DeepSeekV3(n_group=4, topk_group=2, routed_scaling_factor=1.0)
     rng = np.random.default_rng(3)
