@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import time
 from pathlib import Path
@@ -96,7 +95,8 @@ ROW_FIELDS = ("model", "tokens", "rank", "adapters", "rows", "program", "fold", 
               "check", "check_err", "error", "reps", "runs", "unroll")
 _F32 = jnp.float32
 
-Fold = Callable[[Any, dict[str, Any]], Any]
+Step = Callable[[Any], Any]        # args -> output: one step alone
+Fold = Callable[[Any, Any], Any]   # (carry, args) -> carry: the timed loop's step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,24 +211,23 @@ def _loss(out: jax.Array, cot: jax.Array) -> jax.Array:
     return jnp.sum(out.astype(_F32) * cot.astype(_F32))
 
 
-def mlp_program(name: str, impl: str = "auto") -> Fold:
-    """``step(carry, args) -> output`` of an expert-MLP program (the carry is
-    ignored: ``make_loop`` chains the steps through it). ``args``:
+def mlp_program(name: str, impl: str = "auto") -> Step:
+    """``step(args) -> output`` of an expert-MLP program; ``args``:
     ``{"pools", "data"}`` of :class:`TrainInputs`. Output: ``out [M, H]``
     (``base_fwd``, ``fwd``), ``(loss, pool grads)`` (``fwd_bwd``) or ``(loss,
     (pool grads, dx [T, H]))`` (``fwd_bwd_dx``)."""
-    def base_fwd(_, a):
+    def base_fwd(a):
         return expert_mlp(None, a["data"], impl=impl)
 
-    def fwd(_, a):
+    def fwd(a):
         return expert_mlp(a["pools"], a["data"], impl=impl)
 
-    def fwd_bwd(_, a):
+    def fwd_bwd(a):
         def loss(pools):
             return _loss(expert_mlp(pools, a["data"], impl=impl), a["data"]["cot"])
         return jax.value_and_grad(loss)(a["pools"])
 
-    def fwd_bwd_dx(_, a):
+    def fwd_bwd_dx(a):
         def loss(pools, x):
             return _loss(expert_mlp(pools, {**a["data"], "x": x}, impl=impl), a["data"]["cot"])
         return jax.value_and_grad(loss, argnums=(0, 1))(a["pools"], a["data"]["x"])
@@ -263,8 +262,8 @@ def make_block(inputs: TrainInputs) -> tuple[Any, dict[str, Any]]:
                       "cot": d["cot"][:c.tokens]}
 
 
-def block_program(name: str, graphdef: Any, impl: str = "auto") -> Fold:
-    """``step(carry, args) -> output`` of a block program (``args`` of
+def block_program(name: str, graphdef: Any, impl: str = "auto") -> Step:
+    """``step(args) -> output`` of a block program (``args`` of
     :func:`make_block`): ``y [T, H]`` (``block_fwd``) or ``(loss, LoRAParam
     grads)`` (``block_fwd_bwd``)."""
     from flax import nnx
@@ -272,16 +271,59 @@ def block_program(name: str, graphdef: Any, impl: str = "auto") -> Fold:
     def run(lora, a):
         return nnx.merge(graphdef, lora, a["rest"])(a["x"], a["ids"], impl=impl)
 
-    def block_fwd(_, a):
+    def block_fwd(a):
         return run(a["lora"], a)
 
-    def block_fwd_bwd(_, a):
+    def block_fwd_bwd(a):
         return jax.value_and_grad(lambda lora: _loss(run(lora, a), a["cot"]))(a["lora"])
 
     programs = {"block_fwd": block_fwd, "block_fwd_bwd": block_fwd_bwd}
     if name not in programs:
         raise ValueError(f"unknown block program {name!r}")
     return programs[name]
+
+
+# ------------------------------------------------------------------ the timed loop
+
+def _chain(out: Any) -> jax.Array:
+    """int32 0 computed from every leaf of a step's output (1 only where the
+    sum of their first elements is NaN): what reads it waits for the whole step."""
+    firsts = [v.reshape(-1)[0].astype(_F32) for v in jax.tree_util.tree_leaves(out)]
+    return jnp.isnan(sum(firsts)).astype(jnp.int32)
+
+
+def varied(name: str) -> Callable[[str, jax.Array], bool]:
+    """Which leaves of program ``name``'s args (by ``jax.tree_util.keystr``
+    path) the timed loop changes from step to step: a forward's rows
+    (``sorted_token_ids``; the block's router kernel), on which all of its
+    work depends; for a backward every float input (activations, weights,
+    pools, scales, cotangent), as a training step gets them anew."""
+    if name in BWD_PROGRAMS:
+        return lambda path, v: jnp.issubdtype(v.dtype, jnp.floating)
+    key = "['router']['kernel']" if name.startswith("block_") else "['sorted_token_ids']"
+    return lambda path, v: key in path
+
+
+def timed_step(step: Step, vary: Callable[[str, jax.Array], bool]) -> Fold:
+    """The step of the timed loop (``bench_methods.make_loop``): the carry
+    ``(out, args)`` -> ``(step(args'), args')``, where ``args'`` is ``args``
+    with ``_chain(out)`` (0) added to the first element of each leaf that
+    ``vary`` picks (an in-place update of the carried buffer). Each step thus
+    depends on the one before and reads inputs that changed: a step that did
+    not, XLA computes once for the whole loop (or hoists its parts that
+    depend on unchanged inputs only)."""
+    def one(path, v, c):
+        if not vary(jax.tree_util.keystr(path), v):
+            return v
+        return v.at[(0,) * v.ndim].add(c.astype(v.dtype))
+
+    def fold(carry, _):
+        out, args = carry
+        c = _chain(out)
+        args = jax.tree_util.tree_map_with_path(lambda p, v: one(p, v, c), args)
+        return step(args), args
+
+    return fold
 
 
 # ------------------------------------------------------------------ floors and memory
@@ -338,12 +380,12 @@ def _floors(row: dict, cost: dict, bandwidth: float, rate: float) -> None:
     row["floor_us"] = max(row["byte_floor_us"], row["tc_floor_us"])
 
 
-def memory_stats(fold: Fold, args: Any) -> dict[str, int | None]:
-    """Device memory of one step of ``fold`` compiled alone: XLA's argument,
+def memory_stats(step: Step, args: Any) -> dict[str, int | None]:
+    """Device memory of ``step`` compiled alone: XLA's argument,
     output, temporary and aliased bytes, ``peak_bytes`` = arguments + outputs
     + temporaries - aliased, and ``xla_peak_bytes`` (XLA's own peak; None
     where it reports none). All None where the backend gives no analysis."""
-    compiled = jax.jit(functools.partial(fold, None)).lower(args).compile()
+    compiled = jax.jit(step).lower(args).compile()
     ma = compiled.memory_analysis()
     keys = ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "peak_bytes",
             "xla_peak_bytes")
@@ -404,41 +446,45 @@ def _row(case: TrainCase, program: str, s: TrainSettings) -> dict[str, Any]:
     return row
 
 
-def _checker(row: dict, ref_fold: Fold, args: Any, tol: float) -> Callable[[Any], None] | None:
-    """The ``first`` hook of ``time_loop`` that compares a program's first run
-    with ``ref_fold`` (``impl="jnp"``): ``ok`` where the relative error is at
-    most ``tol``. None (and the row says so) where the reference fails."""
+def _checker(row: dict, ref_step: Step, args: Any, tol: float) -> Callable[[Any], None] | None:
+    """The ``first`` hook of ``time_loop`` that compares the output in the
+    carry ``(out, args)`` of a program's first run with ``ref_step``'s
+    (``impl="jnp"``): ``ok`` where the relative error is at most ``tol``.
+    None (and the row says so) where the reference fails."""
     try:
-        ref = jax.block_until_ready(_grads_or_out(jax.jit(functools.partial(ref_fold, None))(args)))
+        ref = jax.block_until_ready(_grads_or_out(jax.jit(ref_step)(args)))
     except Exception:  # noqa: BLE001 - the row is still timed, and says it is not checked
         row["check"] = "not checked (reference failed)"
         return None
 
-    def first(out: Any) -> None:
-        err = float(_tree_err(_grads_or_out(out), ref))
+    def first(carry: Any) -> None:
+        err = float(_tree_err(_grads_or_out(carry[0]), ref))
         row["check_err"] = err
         row["check"] = "ok" if err <= tol else "MISMATCH"
     return first
 
 
-def _measure(row: dict, fold: Fold, ref_fold: Fold | None, args: Any, s: TrainSettings,
+def _measure(row: dict, step: Step, ref_step: Step | None, args: Any, s: TrainSettings,
              tol: float) -> None:
-    """Memory, check (against ``ref_fold``, unless None) and time of one
-    program (fills ``row``)."""
-    row.update(memory_stats(fold, args))
-    first = None if ref_fold is None else _checker(row, ref_fold, args, tol)
-    carry = jax.tree_util.tree_map(lambda v: jnp.zeros(v.shape, v.dtype),
-                                   jax.eval_shape(fold, None, args))
-    loop = bm.make_loop(fold, s.reps, row["unroll"])
-    t = bm.time_loop(loop, carry, args, reps=s.reps, runs=s.runs, warmup=s.warmup, first=first)
+    """Memory, check (against ``ref_step``, unless None) and time of program
+    ``row["program"]`` (fills ``row``): ``--reps`` steps of
+    :func:`timed_step` in one ``make_loop`` program, carrying ``(out, args)``
+    from the zero output and ``args``."""
+    row.update(memory_stats(step, args))
+    first = None if ref_step is None else _checker(row, ref_step, args, tol)
+    out = jax.tree_util.tree_map(lambda v: jnp.zeros(v.shape, v.dtype),
+                                 jax.eval_shape(step, args))
+    loop = bm.make_loop(timed_step(step, varied(row["program"])), s.reps, row["unroll"])
+    t = bm.time_loop(loop, (out, args), None, reps=s.reps, runs=s.runs, warmup=s.warmup,
+                     first=first)
     row["time_us"] = t * 1e6
     for pct, floor in (("pct_floor", "floor_us"), ("pct_byte_floor", "byte_floor_us"),
                        ("pct_tc_floor", "tc_floor_us")):
         row[pct] = 100.0 * row[floor] / row["time_us"]
 
 
-def _program(name: str, inputs: TrainInputs, block: list) -> tuple[Fold, Fold, Any]:
-    """``(fold, jnp reference fold, args)`` of program ``name``; ``block``
+def _program(name: str, inputs: TrainInputs, block: list) -> tuple[Step, Step, Any]:
+    """``(step, jnp reference step, args)`` of program ``name``; ``block``
     caches the case's ``make_block`` (built on first use)."""
     if name.startswith("block_"):
         if not block:

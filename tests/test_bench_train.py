@@ -89,10 +89,10 @@ def test_timed_gradient_is_the_real_one(f32_inputs):
     d, c = f32_inputs.data, f32_inputs.case
     args = {"pools": f32_inputs.pools, "data": d}
     with jax.default_matmul_precision("highest"):
-        loss, (grads, dx) = jax.jit(bt.mlp_program("fwd_bwd_dx"))(None, args)
+        loss, (grads, dx) = jax.jit(bt.mlp_program("fwd_bwd_dx"))(args)
         want_loss, (want, want_dx) = jax.value_and_grad(_dense_loss, argnums=(0, 1))(
             f32_inputs.pools, d["x"], d, c)
-        loss2, grads2 = jax.jit(bt.mlp_program("fwd_bwd"))(None, args)
+        loss2, grads2 = jax.jit(bt.mlp_program("fwd_bwd"))(args)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for got, ref in zip(jax.tree_util.tree_leaves((grads, dx)),
                         jax.tree_util.tree_leaves((want, want_dx))):
@@ -109,24 +109,55 @@ def test_timed_gradient_is_the_real_one(f32_inputs):
 def test_check_compares_the_first_run_with_the_reference():
     args = {"g": jnp.arange(1.0, 5.0)}
 
-    def ref(_, a):
+    def ref(a):
         return jnp.float32(0), {"g": a["g"]}
 
     row = {"check": None, "check_err": None}
     first = bt._checker(row, ref, args, 1e-2)
-    first((jnp.float32(7), {"g": args["g"] * (1 + 1e-3)}))  # the loss is not compared
+    # the hook gets the loop's carry (out, args); a loss is not compared
+    first(((jnp.float32(7), {"g": args["g"] * (1 + 1e-3)}), args))
     assert row["check"] == "ok" and row["check_err"] == pytest.approx(1e-3, rel=1e-3)
-    first((jnp.float32(0), {"g": args["g"][::-1]}))
+    first(((jnp.float32(0), {"g": args["g"][::-1]}), args))
     assert row["check"] == "MISMATCH"
-    first((jnp.float32(0), {"g": args["g"] * jnp.nan}))
+    first(((jnp.float32(0), {"g": args["g"] * jnp.nan}), args))
     assert row["check"] == "MISMATCH"
 
-    def broken(_, a):
+    def broken(a):
         raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
 
     row = {"check": None}
     assert bt._checker(row, broken, args, 1e-2) is None
     assert row["check"] == "not checked (reference failed)"
+
+
+def test_timed_steps_depend_on_each_other_and_change_their_inputs(f32_inputs):
+    """The loop's step reads the previous output through a 0 added to the
+    first element of the inputs it varies (every float input of a backward;
+    the rows of a forward), so the steps are neither hoisted nor merged."""
+    args = {"pools": f32_inputs.pools, "data": f32_inputs.data}
+    step = bt.mlp_program("fwd_bwd")
+    out = jax.eval_shape(step, args)
+    nan_out = jax.tree_util.tree_map(lambda v: jnp.full(v.shape, jnp.nan, v.dtype), out)
+    ok_out = jax.tree_util.tree_map(lambda v: jnp.ones(v.shape, v.dtype), out)
+    fold = bt.timed_step(lambda a: a, bt.varied("fwd_bwd"))
+    _, same = fold((ok_out, args), None)
+    _, moved = fold((nan_out, args), None)
+    for path, v in jax.tree_util.tree_leaves_with_path(args):
+        np.testing.assert_array_equal(same_leaf(same, path), v)
+        changed = not np.array_equal(same_leaf(moved, path), v)
+        assert changed == jnp.issubdtype(v.dtype, jnp.floating), jax.tree_util.keystr(path)
+    fwd_vary = bt.varied("fwd")
+    assert fwd_vary("['data']['sorted_token_ids']", args["data"]["sorted_token_ids"])
+    assert not fwd_vary("['data']['x']", args["data"]["x"])
+    assert bt.varied("block_fwd")("['rest']['router']['kernel'].value", args["data"]["x"])
+
+
+def same_leaf(tree, path):
+    """The leaf of ``tree`` at ``path``."""
+    for p, v in jax.tree_util.tree_leaves_with_path(tree):
+        if p == path:
+            return v
+    raise KeyError(path)
 
 
 def test_bench_train_tiny_run(tmp_path):
