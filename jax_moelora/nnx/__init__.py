@@ -14,12 +14,20 @@
 - ``pool``: :class:`AdapterPool`, load, replace and unload adapters in a
   fixed-capacity pool without recompiling the model's step.
 - ``weights``: :func:`load_transformers_weights`, a transformers MoE layer's
-  base weights into a block.
+  base weights into a block (:func:`transformers_weights`, back).
+- ``stack``: :class:`MoEStack`, layers of RMSNorm -> :class:`MoEBlock` ->
+  residual on hidden states.
+- ``export``: :func:`save_adapter_slot`, an adapter slot as it is now
+  (trained) as a PEFT folder (:func:`slot_adapter`, as a ``PeftAdapter``).
 - ``reference``: the float64 NumPy reference of each family's block.
 
-Train LoRA weights with ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``: every
-fold backend is differentiable (a custom VJP whose backward is traced ``jnp``,
-``ops/autodiff.py``).
+Train LoRA weights with ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``, or
+``nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))``, or ``nnx.split(model,
+nnx.LoRAParam, ...)`` and ``jax.grad`` w.r.t. the LoRA state: every fold backend
+is differentiable (a custom VJP whose backward is traced ``jnp``,
+``ops/autodiff.py``); base weights and adapter tables are outside the filter.
+Tokens of several adapters train in one batch, each adapter on its own tokens
+(``python -m jax_moelora train``).
 """
 
 from jax_moelora._optional import needs_extra
@@ -28,6 +36,7 @@ with needs_extra("nnx", "jax_moelora.nnx"):
     import flax.nnx  # noqa: F401  (the modules below import it; fail here with the extra's name)
 
 from jax_moelora.nnx.block import MoEBlock
+from jax_moelora.nnx.export import save_adapter_slot, slot_adapter
 from jax_moelora.nnx.experts import ExpertRows, GluExperts, GptOssExperts, SharedExperts
 from jax_moelora.nnx.families import (
     FAMILIES,
@@ -50,7 +59,8 @@ from jax_moelora.nnx.lora import (
 )
 from jax_moelora.nnx.pool import AdapterPool
 from jax_moelora.nnx.routers import Router, ScoreCorrectionBias, select_experts
-from jax_moelora.nnx.weights import load_transformers_weights
+from jax_moelora.nnx.stack import MoEStack
+from jax_moelora.nnx.weights import load_transformers_weights, transformers_weights
 
 __all__ = [
     "AdapterPool",
@@ -69,6 +79,7 @@ __all__ = [
     "MoEFamily",
     "MoELoRA",
     "MoELoRARoutes",
+    "MoEStack",
     "Qwen3MoE",
     "Router",
     "SHARED_PROJECTIONS",
@@ -77,5 +88,8 @@ __all__ = [
     "StackedExpertLoRA",
     "family_config",
     "load_transformers_weights",
+    "save_adapter_slot",
     "select_experts",
+    "slot_adapter",
+    "transformers_weights",
 ]

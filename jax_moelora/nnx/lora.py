@@ -23,6 +23,7 @@ filter on parameters ever selects them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -44,6 +45,7 @@ __all__ = [
     "MoELoRARoutes",
     "SHARED_PROJECTIONS",
     "StackedExpertLoRA",
+    "compact_rank",
     "default_a_initializer",
 ]
 
@@ -112,6 +114,29 @@ def _check_sizes(who: str, **sizes: Any) -> None:
     for name, v in sizes.items():
         if not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"{who}: {name} must be a positive int, got {v!r}")
+
+
+def compact_rank(lora: ProjectionLoRA) -> ProjectionLoRA:
+    """The same deltas at the smallest rank: per expert, the rank components
+    ``j`` whose ``A[e, j]`` or ``B[e, :, j]`` is all zero (they add exactly
+    nothing) dropped and the others moved to the front, the rank zero-padded
+    to a multiple of 8.
+
+    peft stores gate and up with different ``A`` as one fused parameter of
+    rank ``2r``, ``A`` stacked, ``B`` block-diagonal: read back, gate and up
+    each have ``r`` live components of ``2r``, and fit a pool of rank ``r``.
+    """
+    live = (lora.a != 0).any(axis=2) & (lora.b != 0).any(axis=1)  # [E_t, R]
+    counts = live.sum(axis=1).astype(np.int32)
+    E = live.shape[0]
+    R2 = padded_rank(max(int(counts.max(initial=0)), 1))
+    a = np.zeros((E, R2, lora.k_in), np.float32)
+    b = np.zeros((E, lora.n_out, R2), np.float32)
+    for e in range(E):
+        keep = np.flatnonzero(live[e])
+        a[e, :len(keep)] = lora.a[e, keep]
+        b[e, :, :len(keep)] = lora.b[e][:, keep]
+    return dataclasses.replace(lora, a=a, b=b, ranks=counts)
 
 
 class _SlotWriter:
@@ -202,6 +227,7 @@ class _SlotWriter:
             raise AdapterFormatError(
                 f"shape mismatch: key {lora.key(first)!r} maps {lora.k_in} -> {lora.n_out} "
                 f"for {what}, the layer's {what} maps {self.k_in} -> {self.n_out}")
+        lora = self._fitted(lora)
         if int(lora.ranks.max(initial=0)) > self.max_rank:
             e = int(np.argmax(lora.ranks))
             raise AdapterFormatError(
@@ -214,9 +240,45 @@ class _SlotWriter:
             self.clear_slot(slot)
             return
         self.check(lora, what)
+        lora = self._fitted(lora)
         e = min(lora.n_experts, self.n_experts)  # ids past E_t carry no pair (check)
         r = min(lora.max_rank, self.max_rank)  # ranks past r are zero padding (check)
         self.write_slot(slot, lora.a[:e, :r], lora.b[:e, :, :r], lora.scale[:e], lora.present[:e])
+
+    def _fitted(self, lora: ProjectionLoRA) -> ProjectionLoRA:
+        """``lora``, its rank components with a zero factor dropped
+        (:func:`compact_rank`) when its rank is above the pool's."""
+        if int(lora.ranks.max(initial=0)) <= self.max_rank:
+            return lora
+        return compact_rank(lora)
+
+    def get_lora(self, slot: int, what: str = "projection") -> ProjectionLoRA | None:
+        """Adapter ``slot``'s pairs as the tables and pools hold them now (a
+        trained adapter's too): the inverse of :meth:`set_lora`.
+
+        Returns:
+          A ``ProjectionLoRA`` over the ``E_t`` experts, float32 ``a [E_t, R,
+          K]`` and ``b [E_t, N, R]`` at the pool rank ``R``, ``present`` where
+          the table cell is a pool slot, ``ranks`` each pair's used rank (its
+          last rank row of A or column of B that is not zero, + 1), zeros and
+          scale 0 where absent; ``None`` when the slot adapts no expert.
+        """
+        slot = self._check_slot(slot)
+        cells = np.asarray(self.a_table[slot], np.int32)
+        present = cells > 0
+        if not present.any():
+            return None
+        keep = present.astype(np.float32)
+        a = np.asarray(self.a_pool[cells]).astype(np.float32) * keep[:, None, None]
+        b = np.asarray(self.b_pool[np.asarray(self.b_table[slot], np.int32)]).astype(
+            np.float32) * keep[:, None, None]
+        scale = np.where(present, np.asarray(self.scale_table[slot], np.float32), 0.0)
+        used = (a != 0).any(axis=2) | (b != 0).any(axis=1)  # [E_t, R]
+        ranks = np.where(used.any(axis=1), used.shape[1] - np.argmax(used[:, ::-1], axis=1), 0)
+        keys = tuple(f"slot {slot} {what} expert {e}" if present[e] else None
+                     for e in range(len(cells)))
+        return ProjectionLoRA(a=a, b=b, scale=scale.astype(np.float32), present=present,
+                              ranks=ranks.astype(np.int32), keys=keys)
 
 
 class ExpertLoRA(_SlotWriter, nnx.Module):
@@ -408,7 +470,7 @@ _STORED_TABLE = {"a_table": "a_cells", "b_table": "b_cells", "scale_table": "sca
 class ExpertLoRAView(_SlotWriter):
     """One projection of a :class:`StackedExpertLoRA`, with the interface of
     an :class:`ExpertLoRA` (``write_slot``, ``clear_slot``, ``set_lora``,
-    ``check``, ``route``, ``pool_slot``, the shape attributes).
+    ``get_lora``, ``check``, ``route``, ``pool_slot``, the shape attributes).
 
     ``a_pool`` and ``b_pool`` are :class:`StackedSlice`\\ s (``[...]`` reads
     or writes member ``index`` of the stacked variable); ``a_table``,
@@ -552,6 +614,18 @@ class MoELoRA(nnx.Module):
         self.check_adapter(projections, where)
         for name in self.projections:
             self.projection(name).set_lora(slot, projections.get(name), f"{where}{name}")
+
+    def get_adapter(self, slot: int, where: str = "") -> dict[str, ProjectionLoRA]:
+        """One layer of the adapter in ``slot`` as it is now (trained or
+        loaded): ``{projection: ProjectionLoRA}`` (:meth:`_SlotWriter.get_lora`)
+        of the projections that adapt some expert; the inverse of
+        :meth:`set_adapter`."""
+        out = {}
+        for name in self.projections:
+            lora = self.projection(name).get_lora(slot, f"{where}{name}")
+            if lora is not None:
+                out[name] = lora
+        return out
 
     def clear_adapter(self, slot: int) -> None:
         """Unload ``slot``: every table cell 0 and the pool blocks zeroed."""

@@ -1,4 +1,4 @@
-"""Base weights of a transformers MoE layer into an :class:`MoEBlock`.
+"""Base weights of a transformers MoE layer into an :class:`MoEBlock`, and back.
 
 ``load_transformers_weights(block, tensors, prefix)`` reads one layer's MoE
 module tensors (numpy or torch-converted arrays, keys as in the transformers
@@ -17,6 +17,9 @@ block's parameters in its ``x @ W`` layouts:
   ``up_proj``, ``down_proj`` (Mixtral: ``w1``, ``w3``, ``w2``) ``.weight
   [out, in]``;
 - shared experts (DeepSeek): ``shared_experts.{gate,up,down}_proj.weight``.
+
+``transformers_weights(block, prefix)`` is the inverse: the block's base
+weights as those tensors (fused experts), to load into a transformers model.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import numpy as np
 
 from jax_moelora.nnx.block import MoEBlock
 
-__all__ = ["load_transformers_weights"]
+__all__ = ["load_transformers_weights", "transformers_weights"]
 
 
 def _get(tensors: Mapping[str, Any], prefix: str, key: str, shape: tuple[int, ...],
@@ -112,3 +115,41 @@ def load_transformers_weights(block: MoEBlock, tensors: Mapping[str, Any],
             w = _get(tensors, prefix, f"shared_experts.{name}.weight", shape, used)
             _set(getattr(s, name).kernel, w.T)
     return used
+
+
+def transformers_weights(block: MoEBlock, prefix: str = "") -> dict[str, np.ndarray]:
+    """The block's base weights as one transformers 5 MoE layer's tensors: the
+    inverse of :func:`load_transformers_weights` (fused experts).
+
+    Args:
+      block: the block.
+      prefix: the MoE module's key prefix, e.g. ``"model.layers.3.mlp."``.
+
+    Returns:
+      ``{prefix + key: float32 array}`` in the layouts of the module
+      docstring (``gate.weight [E, H]``, ``experts.gate_up_proj [E, 2I, H]``,
+      ``experts.down_proj [E, H, I]``, ...; gpt-oss's own layouts).
+    """
+    f = lambda v: np.asarray(v[...], np.float32)  # noqa: E731
+    out: dict[str, np.ndarray] = {}
+    if block.family.router_bias:
+        out["router.weight"] = f(block.router.kernel).T
+        out["router.bias"] = f(block.router.bias)
+    else:
+        out["gate.weight"] = f(block.router.kernel).T
+    if block.router.correction_bias is not None:
+        out["gate.e_score_correction_bias"] = f(block.router.correction_bias)
+    ex = block.experts
+    if block.family.experts == "gpt_oss":
+        for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+            out[f"experts.{name}"] = f(getattr(ex, name))
+    else:
+        out["experts.gate_up_proj"] = np.concatenate(
+            [np.transpose(f(ex.gate_proj), (0, 2, 1)), np.transpose(f(ex.up_proj), (0, 2, 1))],
+            axis=1)
+        out["experts.down_proj"] = np.transpose(f(ex.down_proj), (0, 2, 1))
+    if block.shared_experts is not None:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            out[f"shared_experts.{name}.weight"] = f(
+                getattr(block.shared_experts, name).kernel).T
+    return {prefix + k: np.ascontiguousarray(v) for k, v in out.items()}
