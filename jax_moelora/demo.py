@@ -53,16 +53,16 @@ from jax_moelora.nnx import (
     DeepSeekV3,
     GptOss,
     Mixtral,
-    MoEBlock,
     MoEFamily,
     Qwen3MoE,
 )
+from jax_moelora.nnx.stack import MoEStack
 from jax_moelora.nnx.experts import EXPERT_GEMMS, grouped_gemm_runs_kernel
 from jax_moelora.ops.folds import GATHER_MAX_ROWS, GATHER_ROWS_PER_EXPERT, IMPLS, resolve_impl
 from jax_moelora.peft import ProjectionLoRA, load_peft_adapter, save_peft_adapter
 
-__all__ = ["ModelConfig", "DemoModel", "DEMO_FAMILIES", "SIZES", "TOLERANCES", "add_arguments",
-           "run"]
+__all__ = ["ModelConfig", "DemoModel", "DEMO_FAMILIES", "DTYPES", "SIZES", "TOLERANCES",
+           "add_arguments", "device_name", "make_console", "run", "time_variants"]
 
 #: Model shapes: "small" runs on a laptop CPU, "full" is Qwen3-30B-A3B's MoE.
 SIZES = {
@@ -86,7 +86,7 @@ TOLERANCES = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5}
 #: their product), so the demo allows each layer this many per-fold tolerances.
 BLOCK_FOLDS = 3
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,38 +106,36 @@ class ModelConfig:
 
 
 class DemoModel(nnx.Module):
-    """Embedding -> ``layers`` x (RMSNorm -> :class:`MoEBlock` -> residual)
-    -> RMSNorm -> tied LM head. ``blocks`` and ``norms`` are ``nnx.List``\\ s;
-    a call runs every layer in one traced program."""
+    """Embedding -> :class:`MoEStack` (``layers`` x (RMSNorm -> :class:`MoEBlock`
+    -> residual)) -> RMSNorm -> tied LM head. ``blocks`` and ``norms`` are the
+    stack's ``nnx.List``\\ s; a call runs every layer in one traced program."""
 
     def __init__(self, cfg: ModelConfig, *, impl: str = "auto", expert_path: str = "auto",
                  expert_gemm: str = "auto", gather_max_rows: int | None = None,
                  rngs: nnx.Rngs):
-        dt = _DTYPES[cfg.dtype]
+        dt = DTYPES[cfg.dtype]
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab, cfg.hidden, dtype=dt, param_dtype=dt, rngs=rngs)
-        self.norms = nnx.List([nnx.RMSNorm(cfg.hidden, dtype=dt, param_dtype=dt, rngs=rngs)
-                               for _ in range(cfg.layers)])
-        self.blocks = nnx.List([
-            MoEBlock(cfg.hidden, cfg.inter, cfg.experts, cfg.top_k,
-                     family=DEMO_FAMILIES[cfg.family], max_loras=cfg.max_loras,
-                     max_rank=cfg.max_rank, dtype=dt, impl=impl, expert_path=expert_path,
-                     expert_gemm=expert_gemm, gather_max_rows=gather_max_rows, rngs=rngs)
-            for _ in range(cfg.layers)])
+        self.stack = MoEStack(cfg.hidden, cfg.inter, cfg.experts, cfg.top_k, cfg.layers,
+                              family=DEMO_FAMILIES[cfg.family], max_loras=cfg.max_loras,
+                              max_rank=cfg.max_rank, dtype=dt, impl=impl,
+                              expert_path=expert_path, expert_gemm=expert_gemm,
+                              gather_max_rows=gather_max_rows, rngs=rngs)
         self.final_norm = nnx.RMSNorm(cfg.hidden, dtype=dt, param_dtype=dt, rngs=rngs)
+
+    @property
+    def blocks(self) -> nnx.List:
+        return self.stack.blocks
+
+    @property
+    def norms(self) -> nnx.List:
+        return self.stack.norms
 
     def layers(self, h: jax.Array, adapter_ids: jax.Array | None, *, impl: str | None = None,
                use_lora: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``h [T, H]`` through every layer -> ``(h, block_inputs [L, T, H],
         block_outputs [L, T, H])``."""
-        ins, outs = [], []
-        for norm, block in zip(self.norms, self.blocks):
-            z = norm(h)
-            o = block(z, adapter_ids, impl=impl, use_lora=use_lora)
-            ins.append(z)
-            outs.append(o)
-            h = h + o
-        return h, jnp.stack(ins), jnp.stack(outs)
+        return self.stack.layers(h, adapter_ids, impl=impl, use_lora=use_lora)
 
     def __call__(self, tokens: jax.Array, adapter_ids: jax.Array | None, *,
                  impl: str | None = None, use_lora: bool = True):
@@ -168,7 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode steps (default 16); steps per timed run in --timing "
                              "(default 16; 2 with --prefill)")
     parser.add_argument("--impl", choices=IMPLS, default="auto", help="fold backend")
-    parser.add_argument("--dtype", choices=["auto", *_DTYPES], default="auto",
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                         help="activation dtype (auto: float32 on CPU, bfloat16 on GPU)")
     parser.add_argument("--expert-path", choices=["auto", "dense", "ragged"], default="auto",
                         help="base expert matmuls (see MoEBlock)")
@@ -197,7 +195,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON")
 
 
-def _console():
+def make_console() -> Any:
+    """A ``rich`` console (the ``bench`` extra) for the commands' output."""
     with needs_extra("bench", "the demo's output"):
         from rich.console import Console
 
@@ -210,7 +209,8 @@ def _dtype_name(args) -> str:
     return "bfloat16" if _ext.current_platform() == "gpu" else "float32"
 
 
-def _device() -> str:
+def device_name() -> str:
+    """JAX's first device as ``platform:kind`` (e.g. ``gpu:NVIDIA H200``)."""
     d = jax.devices()[0]
     return f"{d.platform}:{getattr(d, 'device_kind', d.platform)}"
 
@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         impl = resolve_impl(args.impl)
     except ValueError as err:
         raise SystemExit(f"--impl {args.impl}: {err}") from err
-    console = _console()
+    console = make_console()
     if args.timing:
         if args.prefill:
             return _run_prefill_timing(args, impl, console)
@@ -431,7 +431,7 @@ def _run_demo(args, impl: str, console) -> int:
     plen, steps = args.prompt_len, args.steps
     console.print(f"[bold]jax_moelora demo[/bold]: {size} {cfg.family} MoE model, "
                   f"{cfg.layers} layers, E {cfg.experts}, top_k {cfg.top_k}, hidden "
-                  f"{cfg.hidden}, inter {cfg.inter}, {dtype}; impl {impl} on {_device()}")
+                  f"{cfg.hidden}, inter {cfg.inter}, {dtype}; impl {impl} on {device_name()}")
     t_start = time.perf_counter()
     progress = Progress(TextColumn("{task.description:<30}"), BarColumn(),
                         TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
@@ -511,7 +511,7 @@ def _run_demo(args, impl: str, console) -> int:
     table = Table(title="jax_moelora demo summary", show_header=True, header_style="bold")
     table.add_column("item")
     table.add_column("value")
-    table.add_row("backend", f"{jax.default_backend()} ({_device()}), "
+    table.add_row("backend", f"{jax.default_backend()} ({device_name()}), "
                              f"cuda kernels: {_cuda_kernels()}")
     table.add_row("impl used", f"{impl} (requested {args.impl}); expert path "
                                f"{args.expert_path}, grouped GEMM {args.expert_gemm}")
@@ -541,7 +541,7 @@ def _run_demo(args, impl: str, console) -> int:
     console.print(table)
     if args.json:
         args.json.write_text(json.dumps(dict(
-            mode="demo", backend=jax.default_backend(), device=_device(), impl=impl,
+            mode="demo", backend=jax.default_backend(), device=device_name(), impl=impl,
             dtype=dtype, config=dataclasses.asdict(cfg), streams=streams, prompt_len=plen,
             steps=steps, compile_s=compile_s, prefill_s=prefill_s, decode_step_s=step_s,
             max_rel_error=check.num, max_abs_error=check.max_abs, tolerance=tol,
@@ -640,11 +640,11 @@ def _run_timing(args, impl: str, console) -> int:
                   f"layer (E "
                   f"{cfg.experts}, top_k {cfg.top_k}, hidden {cfg.hidden}, inter {cfg.inter}), "
                   f"T {T}, rank {args.rank}, 4 adapters, {dtype}, impl {impl}, expert path "
-                  f"{args.expert_path}, gather_max_rows {gather_max_rows} on {_device()}")
+                  f"{args.expert_path}, gather_max_rows {gather_max_rows} on {device_name()}")
     _install_random_adapters(model, args.rank, args.seed)
     graphdef, state = nnx.split(model)
     h = jax.random.normal(jax.random.key(args.seed + 3), (T, cfg.hidden), jnp.float32)
-    h = h.astype(_DTYPES[dtype])
+    h = h.astype(DTYPES[dtype])
     spread = jnp.arange(T, dtype=jnp.int32) % cfg.max_loras
     variants = [
         ("base model (no LoRA ops)", False, spread),
@@ -653,7 +653,7 @@ def _run_timing(args, impl: str, console) -> int:
     ]
     fns = {label: _timed_loop(graphdef, impl, use_lora, inner)
            for label, use_lora, _ in variants}
-    results, _ = _time_variants([(label, fns[label], ids) for label, _, ids in variants],
+    results, _ = time_variants([(label, fns[label], ids) for label, _, ids in variants],
                                 state, h, repeats=args.repeats, inner=inner, console=console)
     base = results[variants[0][0]]["step_s"]
     table = Table(title=f"decode step, {cfg.layers} layers, T = {T} (median of {args.repeats} "
@@ -676,7 +676,7 @@ def _run_timing(args, impl: str, console) -> int:
                 console, label, results[variants[0][0]]["kernels"], results[label]["kernels"])
     if args.json:
         args.json.write_text(json.dumps(dict(
-            mode="timing", backend=jax.default_backend(), device=_device(), impl=impl,
+            mode="timing", backend=jax.default_backend(), device=device_name(), impl=impl,
             dtype=dtype, tokens=T, rank=args.rank, config=dataclasses.asdict(cfg),
             expert_path=args.expert_path, expert_gemm=args.expert_gemm,
             gather_max_rows=gather_max_rows, steps_per_run=inner,
@@ -685,7 +685,7 @@ def _run_timing(args, impl: str, console) -> int:
     return 0
 
 
-def _time_variants(variants, state, h, *, repeats: int, inner: int, console,
+def time_variants(variants, state, h, *, repeats: int, inner: int, console,
                    catch: bool = False) -> tuple[dict[str, dict], dict[str, str]]:
     """Compile each ``(label, fn, ids)`` (one run of ``fn(state, h, ids)``),
     then time ``repeats`` runs of each, round robin (so drifts hit every
@@ -735,14 +735,14 @@ def _run_prefill_timing(args, impl: str, console) -> int:
                       gather_max_rows=args.gather_max_rows, rngs=nnx.Rngs(args.seed))
     block = model.blocks[0]
     grouped = rows > block.gather_max_rows
-    dt = _DTYPES[dtype]
+    dt = DTYPES[dtype]
     kernel = {"gate/up": grouped_gemm_runs_kernel(dt, cfg.hidden, cfg.inter),
               "down": grouped_gemm_runs_kernel(dt, cfg.inter, cfg.hidden)}
     console.print(f"[bold]jax_moelora prefill timing[/bold]: {cfg.layers} x {cfg.family} MoE "
                   f"layer (E {cfg.experts}, top_k {cfg.top_k}, hidden {cfg.hidden}, inter "
                   f"{cfg.inter}), T {T} ({rows} rows: "
                   f"{'grouped' if grouped else 'gather'} path), rank {args.rank}, 4 adapters, "
-                  f"{dtype}, impl {impl}, expert path {args.expert_path} on {_device()}; "
+                  f"{dtype}, impl {impl}, expert path {args.expert_path} on {device_name()}; "
                   f"expert_matmul runs its CUTLASS kernel: "
                   + ", ".join(f"{k} {v}" for k, v in kernel.items()))
     _install_random_adapters(model, args.rank, args.seed)
@@ -758,7 +758,7 @@ def _run_prefill_timing(args, impl: str, console) -> int:
             label = f"{what}, {gemm}"
             variants.append((label, _timed_loop(graphdef, impl, use_lora, inner), spread))
             meta[label] = dict(expert_gemm=gemm, lora=use_lora)
-    results, errors = _time_variants(variants, state, h, repeats=args.repeats, inner=inner,
+    results, errors = time_variants(variants, state, h, repeats=args.repeats, inner=inner,
                                      console=console, catch=True)
     for label, r in results.items():
         r.update(meta[label])
@@ -796,8 +796,8 @@ def _run_prefill_timing(args, impl: str, console) -> int:
                                                     b["kernels"], lo["kernels"])
     if args.json:
         args.json.write_text(json.dumps(dict(
-            mode="prefill_timing", backend=jax.default_backend(), device=_device(), impl=impl,
-            dtype=dtype, tokens=T, rows=rows, grouped=grouped, rank=args.rank,
+            mode="prefill_timing", backend=jax.default_backend(), device=device_name(),
+            impl=impl, dtype=dtype, tokens=T, rows=rows, grouped=grouped, rank=args.rank,
             config=dataclasses.asdict(cfg), expert_path=args.expert_path,
             expert_matmul_kernel=kernel, steps_per_run=inner, repeats=args.repeats,
             results=results, errors=errors), indent=2))
