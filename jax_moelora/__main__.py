@@ -1,7 +1,8 @@
-"""Command line: ``python -m jax_moelora {demo,bench,info}``.
+"""Command line: ``python -m jax_moelora {demo,train,bench,info}``.
 
-``info`` needs only the core install; ``demo`` needs the ``nnx``, ``peft`` and
-``bench`` extras, ``bench`` the ``bench`` extra (``pip install 'jax_moelora[all]'``).
+``info`` needs only the core install; ``demo`` and ``train`` need the ``nnx``,
+``peft`` and ``bench`` extras, ``bench`` the ``bench`` extra (``pip install
+'jax_moelora[all]'``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("info", help="what was built, whether a GPU is visible, which backends run now")
     commands = {
         "demo": "end-to-end demo (on the GPU when one is visible, else on the CPU)",
+        "train": "fine-tune two LoRA adapters at once",
         "bench": "the benchmark of docs/semantics.md §7",
     }
     modules: dict[str, tuple[ModuleType | None, ImportError | None]] = {}
