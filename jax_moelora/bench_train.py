@@ -24,11 +24,16 @@ bf16) it times these jitted programs (``--methods`` picks them):
   forward, and ``value_and_grad`` of ``sum(y * cot)`` w.r.t. its
   ``nnx.LoRAParam`` state.
 
-Timing: the protocol of ``bench`` (``bench_methods.make_loop``: ``--reps``
-steps back to back in one jitted program, ``--unroll`` of them per loop
-iteration (default 8), the median of ``--runs`` runs, divided by ``--reps``).
-``vs_fwd`` is a program's time over its case's LoRA forward (``fwd``; for the
-block ``block_fwd``).
+Timing: each program is one jitted step, compiled once; a run makes
+``--reps`` calls of it back to back (dispatched asynchronously: the device
+runs them one after the other, as in a training loop) and waits for the
+last; the time is the median of ``--runs`` runs after ``--warmup`` untimed
+ones, divided by ``--reps`` (``bench_methods.time_loop``). Not ``bench``'s
+single program of ``--reps`` steps: steps that do not read each other's
+outputs would be merged or hoisted there by XLA, and chaining every input of
+a backward through the loop costs copies of the weights (~0.8 ms a step for
+Qwen3-30B-A3B on an H200). ``vs_fwd`` is a program's time over its case's
+LoRA forward (``fwd``; for the block ``block_fwd``).
 
 Floors (:func:`train_cost`): flops over the dense bf16 matmul rate and bytes
 over the copy bandwidth, both measured in the same run
@@ -92,11 +97,10 @@ ROW_FIELDS = ("model", "tokens", "rank", "adapters", "rows", "program", "fold", 
               "vs_fwd", "bytes", "flops", "byte_floor_us", "tc_floor_us", "floor_us",
               "pct_floor", "pct_byte_floor", "pct_tc_floor", "peak_bytes", "mem_vs_fwd",
               "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "xla_peak_bytes",
-              "check", "check_err", "error", "reps", "runs", "unroll")
+              "check", "check_err", "error", "reps", "runs")
 _F32 = jnp.float32
 
-Step = Callable[[Any], Any]        # args -> output: one step alone
-Fold = Callable[[Any, Any], Any]   # (carry, args) -> carry: the timed loop's step
+Step = Callable[[Any], Any]   # args -> output: one step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,47 +287,24 @@ def block_program(name: str, graphdef: Any, impl: str = "auto") -> Step:
     return programs[name]
 
 
-# ------------------------------------------------------------------ the timed loop
+# ------------------------------------------------------------------ timing
 
-def _chain(out: Any) -> jax.Array:
-    """int32 0 computed from every leaf of a step's output (1 only where the
-    sum of their first elements is NaN): what reads it waits for the whole step."""
-    firsts = [v.reshape(-1)[0].astype(_F32) for v in jax.tree_util.tree_leaves(out)]
-    return jnp.isnan(sum(firsts)).astype(jnp.int32)
+def call_loop(step: Callable[[Any], Any], reps: int) -> Callable[[Any, Any], Any]:
+    """``loop(_, args)`` for ``bench_methods.time_loop``: ``reps`` calls of the
+    compiled ``step`` back to back (dispatched asynchronously, one after the
+    other on the device), returning the last one's output.
 
+    Separate executions, as a training loop makes them: in one jitted program
+    of ``reps`` steps, steps that do not read each other's outputs are merged
+    or hoisted by XLA (their inputs are the same), and making every input
+    change in the program costs copies of the weights."""
+    def loop(_, args):
+        out = None
+        for _ in range(reps):
+            out = step(args)
+        return out
 
-def varied(name: str) -> Callable[[str, jax.Array], bool]:
-    """Which leaves of program ``name``'s args (by ``jax.tree_util.keystr``
-    path) the timed loop changes from step to step: a forward's rows
-    (``sorted_token_ids``; the block's router kernel), on which all of its
-    work depends; for a backward every float input (activations, weights,
-    pools, scales, cotangent), as a training step gets them anew."""
-    if name in BWD_PROGRAMS:
-        return lambda path, v: jnp.issubdtype(v.dtype, jnp.floating)
-    key = "['router']['kernel']" if name.startswith("block_") else "['sorted_token_ids']"
-    return lambda path, v: key in path
-
-
-def timed_step(step: Step, vary: Callable[[str, jax.Array], bool]) -> Fold:
-    """The step of the timed loop (``bench_methods.make_loop``): the carry
-    ``(out, args)`` -> ``(step(args'), args')``, where ``args'`` is ``args``
-    with ``_chain(out)`` (0) added to the first element of each leaf that
-    ``vary`` picks (an in-place update of the carried buffer). Each step thus
-    depends on the one before and reads inputs that changed: a step that did
-    not, XLA computes once for the whole loop (or hoists its parts that
-    depend on unchanged inputs only)."""
-    def one(path, v, c):
-        if not vary(jax.tree_util.keystr(path), v):
-            return v
-        return v.at[(0,) * v.ndim].add(c.astype(v.dtype))
-
-    def fold(carry, _):
-        out, args = carry
-        c = _chain(out)
-        args = jax.tree_util.tree_map_with_path(lambda p, v: one(p, v, c), args)
-        return step(args), args
-
-    return fold
+    return loop
 
 
 # ------------------------------------------------------------------ floors and memory
@@ -380,12 +361,12 @@ def _floors(row: dict, cost: dict, bandwidth: float, rate: float) -> None:
     row["floor_us"] = max(row["byte_floor_us"], row["tc_floor_us"])
 
 
-def memory_stats(step: Step, args: Any) -> dict[str, int | None]:
-    """Device memory of ``step`` compiled alone: XLA's argument,
-    output, temporary and aliased bytes, ``peak_bytes`` = arguments + outputs
-    + temporaries - aliased, and ``xla_peak_bytes`` (XLA's own peak; None
-    where it reports none). All None where the backend gives no analysis."""
-    compiled = jax.jit(step).lower(args).compile()
+def memory_stats(compiled: Any) -> dict[str, int | None]:
+    """Device memory of one step compiled alone (``jax.jit(step).lower(args)
+    .compile()``): XLA's argument, output, temporary and aliased bytes,
+    ``peak_bytes`` = arguments + outputs + temporaries - aliased, and
+    ``xla_peak_bytes`` (XLA's own peak; None where it reports none). All None
+    where the backend gives no analysis."""
     ma = compiled.memory_analysis()
     keys = ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "peak_bytes",
             "xla_peak_bytes")
@@ -430,7 +411,6 @@ class TrainSettings:
     reps: int = 32
     runs: int = 20
     warmup: int = 2
-    unroll: int = 8
     bw_bytes: int = 1 << 30
     matmul_n: int = 8192
     ref_max_bytes: float = 16 << 30
@@ -442,23 +422,22 @@ def _row(case: TrainCase, program: str, s: TrainSettings) -> dict[str, Any]:
     row = dict.fromkeys(ROW_FIELDS)
     row.update(model=case.model.name, tokens=case.tokens, rank=case.rank,
                adapters=case.adapters, rows=case.rows, program=program, fold=case.fold,
-               reps=s.reps, runs=s.runs, unroll=max(1, min(s.unroll, s.reps)))
+               reps=s.reps, runs=s.runs)
     return row
 
 
 def _checker(row: dict, ref_step: Step, args: Any, tol: float) -> Callable[[Any], None] | None:
-    """The ``first`` hook of ``time_loop`` that compares the output in the
-    carry ``(out, args)`` of a program's first run with ``ref_step``'s
-    (``impl="jnp"``): ``ok`` where the relative error is at most ``tol``.
-    None (and the row says so) where the reference fails."""
+    """The ``first`` hook of ``time_loop`` that compares a program's output
+    with ``ref_step``'s (``impl="jnp"``): ``ok`` where the relative error is at
+    most ``tol``. None (and the row says so) where the reference fails."""
     try:
         ref = jax.block_until_ready(_grads_or_out(jax.jit(ref_step)(args)))
     except Exception:  # noqa: BLE001 - the row is still timed, and says it is not checked
         row["check"] = "not checked (reference failed)"
         return None
 
-    def first(carry: Any) -> None:
-        err = float(_tree_err(_grads_or_out(carry[0]), ref))
+    def first(out: Any) -> None:
+        err = float(_tree_err(_grads_or_out(out), ref))
         row["check_err"] = err
         row["check"] = "ok" if err <= tol else "MISMATCH"
     return first
@@ -466,17 +445,15 @@ def _checker(row: dict, ref_step: Step, args: Any, tol: float) -> Callable[[Any]
 
 def _measure(row: dict, step: Step, ref_step: Step | None, args: Any, s: TrainSettings,
              tol: float) -> None:
-    """Memory, check (against ``ref_step``, unless None) and time of program
-    ``row["program"]`` (fills ``row``): ``--reps`` steps of
-    :func:`timed_step` in one ``make_loop`` program, carrying ``(out, args)``
-    from the zero output and ``args``."""
-    row.update(memory_stats(step, args))
+    """Memory, check (against ``ref_step``, unless None) and time of one
+    program (fills ``row``): ``step`` compiled once, then timed by
+    ``bench_methods.time_loop`` over :func:`call_loop` (``--reps`` calls a
+    run, the median of ``--runs`` runs after ``--warmup``)."""
+    compiled = jax.jit(step).lower(args).compile()
+    row.update(memory_stats(compiled))
     first = None if ref_step is None else _checker(row, ref_step, args, tol)
-    out = jax.tree_util.tree_map(lambda v: jnp.zeros(v.shape, v.dtype),
-                                 jax.eval_shape(step, args))
-    loop = bm.make_loop(timed_step(step, varied(row["program"])), s.reps, row["unroll"])
-    t = bm.time_loop(loop, (out, args), None, reps=s.reps, runs=s.runs, warmup=s.warmup,
-                     first=first)
+    t = bm.time_loop(call_loop(compiled, s.reps), None, args, reps=s.reps, runs=s.runs,
+                     warmup=s.warmup, first=first)
     row["time_us"] = t * 1e6
     for pct, floor in (("pct_floor", "floor_us"), ("pct_byte_floor", "byte_floor_us"),
                        ("pct_tc_floor", "tc_floor_us")):
@@ -551,7 +528,7 @@ def run_train_bench(s: TrainSettings, console: Console | None = None
     meta = {"device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
             "jax": jax.__version__, "bandwidth": bandwidth, "matmul_flops": rate,
             "matmul_n": s.matmul_n, "bandwidth_buffer_bytes": s.bw_bytes, "reps": s.reps,
-            "runs": s.runs, "warmup": s.warmup, "unroll": s.unroll,
+            "runs": s.runs, "warmup": s.warmup, "timing": "calls",
             "programs": list(s.programs), "dtype": "bfloat16",
             "kernel": _ext.HAS_EXPERT_MATMUL, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     console.print(f"copy {bandwidth / 1e9:,.1f} GB/s, dense bf16 matmul "
@@ -661,7 +638,7 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     reps = args.reps or (2 if small else 32)
     return TrainSettings(
         cases=cases, programs=programs, reps=reps, runs=args.runs or (3 if small else 20),
-        warmup=max(1, args.warmup or (1 if small else 2)), unroll=args.unroll or 8,
+        warmup=max(1, args.warmup or (1 if small else 2)),
         bw_bytes=int(args.bw_mib * 2**20) if args.bw_mib else (1 << 30 if gpu else 64 << 20),
         matmul_n=8192 if gpu else 512,
         ref_max_bytes=(args.ragged_max_gib * 2**30 if args.ragged_max_gib is not None

@@ -114,12 +114,11 @@ def test_check_compares_the_first_run_with_the_reference():
 
     row = {"check": None, "check_err": None}
     first = bt._checker(row, ref, args, 1e-2)
-    # the hook gets the loop's carry (out, args); a loss is not compared
-    first(((jnp.float32(7), {"g": args["g"] * (1 + 1e-3)}), args))
+    first((jnp.float32(7), {"g": args["g"] * (1 + 1e-3)}))  # a loss is not compared
     assert row["check"] == "ok" and row["check_err"] == pytest.approx(1e-3, rel=1e-3)
-    first(((jnp.float32(0), {"g": args["g"][::-1]}), args))
+    first((jnp.float32(0), {"g": args["g"][::-1]}))
     assert row["check"] == "MISMATCH"
-    first(((jnp.float32(0), {"g": args["g"] * jnp.nan}), args))
+    first((jnp.float32(0), {"g": args["g"] * jnp.nan}))
     assert row["check"] == "MISMATCH"
 
     def broken(a):
@@ -130,41 +129,21 @@ def test_check_compares_the_first_run_with_the_reference():
     assert row["check"] == "not checked (reference failed)"
 
 
-def test_timed_steps_depend_on_each_other_and_change_their_inputs(f32_inputs):
-    """The loop's step reads the previous output through a 0 added to the
-    first element of the inputs it varies (every float input of a backward;
-    the rows of a forward), so the steps are neither hoisted nor merged."""
-    args = {"pools": f32_inputs.pools, "data": f32_inputs.data}
-    step = bt.mlp_program("fwd_bwd")
-    out = jax.eval_shape(step, args)
-    nan_out = jax.tree_util.tree_map(lambda v: jnp.full(v.shape, jnp.nan, v.dtype), out)
-    ok_out = jax.tree_util.tree_map(lambda v: jnp.ones(v.shape, v.dtype), out)
-    fold = bt.timed_step(lambda a: a, bt.varied("fwd_bwd"))
-    _, same = fold((ok_out, args), None)
-    _, moved = fold((nan_out, args), None)
-    for path, v in jax.tree_util.tree_leaves_with_path(args):
-        np.testing.assert_array_equal(same_leaf(same, path), v)
-        changed = not np.array_equal(same_leaf(moved, path), v)
-        assert changed == jnp.issubdtype(v.dtype, jnp.floating), jax.tree_util.keystr(path)
-    fwd_vary = bt.varied("fwd")
-    assert fwd_vary("['data']['sorted_token_ids']", args["data"]["sorted_token_ids"])
-    assert not fwd_vary("['data']['x']", args["data"]["x"])
-    assert bt.varied("block_fwd")("['rest']['router']['kernel'].value", args["data"]["x"])
+def test_call_loop_makes_reps_calls_and_returns_the_last():
+    calls = []
 
+    def step(a):
+        calls.append(a)
+        return len(calls)
 
-def same_leaf(tree, path):
-    """The leaf of ``tree`` at ``path``."""
-    for p, v in jax.tree_util.tree_leaves_with_path(tree):
-        if p == path:
-            return v
-    raise KeyError(path)
+    assert bt.call_loop(step, 3)(None, "args") == 3 and calls == ["args"] * 3
 
 
 def test_bench_train_tiny_run(tmp_path):
     # the check's jnp reference is left out (compiles); it is tested above
     rc = main(["bench", "--train", "--models", TINY, "--tokens", "8", "--ranks", "8",
                "--adapters", "2", "--methods", "fwd,fwd_bwd,block_fwd_bwd", "--no-check",
-               "--reps", "2", "--runs", "1", "--warmup", "1", "--unroll", "1",
+               "--reps", "2", "--runs", "1", "--warmup", "1",
                "--out", str(tmp_path)])
     assert rc == 0
     data = json.loads((tmp_path / "train.json").read_text())
