@@ -68,7 +68,7 @@ def adapter_dirs(tmp_path_factory):
     for name, (layout, r, pattern) in zip(("a0", "a1", "a2"), LAYOUTS):
         w = factors(rng, r=r, down_r=pattern.get("down_proj"))
         paths.append(save_peft_adapter(root / name, w, r=r, lora_alpha=2 * r, layout=layout,
-                                       rank_pattern=pattern))
+                                       rank_pattern=pattern, family="qwen3"))
     return paths
 
 
@@ -308,7 +308,7 @@ def test_rejected_loads_leave_the_pool_unchanged(tmp_path, adapter_dirs):
     ]
     for name, kw, _, match in cases:
         path = save_peft_adapter(tmp_path / name, factors(rng, **kw), r=kw.get("r", 4),
-                                 lora_alpha=4, layout="experts")
+                                 lora_alpha=4, layout="experts", family="qwen3")
         adapter = load_peft_adapter(path)  # widths unknown: the pool checks them
         with pytest.raises(AdapterFormatError, match=match):
             pool.load(adapter)

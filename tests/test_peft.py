@@ -79,7 +79,7 @@ def write_raw(folder, tensors, config):
 def test_every_layout_round_trips(tmp_path, layout):
     rng = np.random.default_rng(hash(layout) % 2**32)
     w = factors(rng, r=4)
-    save_peft_adapter(tmp_path / layout, w, r=4, lora_alpha=8, layout=layout)
+    save_peft_adapter(tmp_path / layout, w, r=4, lora_alpha=8, layout=layout, family="qwen3")
     ad = load_peft_adapter(tmp_path / layout, **DIMS)
     assert ad.name == layout and ad.num_layers == 2 and ad.num_experts == E
     assert ad.projections == ("router", "gate", "up", "down")
@@ -90,7 +90,7 @@ def test_every_layout_round_trips(tmp_path, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_without_model_widths(tmp_path, layout):
     w = factors(np.random.default_rng(1), r=8)
-    save_peft_adapter(tmp_path, w, r=8, lora_alpha=4, layout=layout)
+    save_peft_adapter(tmp_path, w, r=8, lora_alpha=4, layout=layout, family="qwen3")
     assert_matches(load_peft_adapter(tmp_path), w, {p: 0.5 for p in w[0]})
 
 
@@ -107,7 +107,8 @@ def test_float_dtypes_load(tmp_path, dtype):
 
 def test_rslora_scale_is_alpha_over_sqrt_r(tmp_path):
     w = factors(np.random.default_rng(3), r=16, layers=1)
-    save_peft_adapter(tmp_path, w, r=16, lora_alpha=8, use_rslora=True, layout="experts")
+    save_peft_adapter(tmp_path, w, r=16, lora_alpha=8, use_rslora=True, layout="experts",
+                      family="qwen3")
     ad = load_peft_adapter(tmp_path, **DIMS)
     np.testing.assert_allclose(ad.layers[0]["gate"].scale, 8 / math.sqrt(16))
     assert_matches(ad, w, {p: 2.0 for p in w[0]})
@@ -117,7 +118,8 @@ def test_rank_and_alpha_patterns(tmp_path):
     """rank_pattern gives down rank 12 (padded to 16); alpha_pattern one expert's alpha."""
     w = factors(np.random.default_rng(4), r=4, down_r=12, layers=1, shared_a=False)
     save_peft_adapter(tmp_path, w, r=4, lora_alpha=8, rank_pattern={"down_proj": 12},
-                      alpha_pattern={r"experts\.1\.gate_proj": 32}, layout="experts")
+                      alpha_pattern={r"experts\.1\.gate_proj": 32}, layout="experts",
+                      family="qwen3")
     ad = load_peft_adapter(tmp_path, **DIMS)
     down, gate = ad.layers[0]["down"], ad.layers[0]["gate"]
     assert down.max_rank == 16 and (down.ranks == 12).all()
@@ -237,7 +239,8 @@ def test_partial_experts_and_layers(tmp_path):
 
 def _good(tmp_path, router=True, layout="experts", **kw):
     w = factors(np.random.default_rng(11), r=4, layers=1, router=router)
-    return save_peft_adapter(tmp_path / "good", w, r=4, lora_alpha=4, layout=layout, **kw)
+    return save_peft_adapter(tmp_path / "good", w, r=4, lora_alpha=4, layout=layout,
+                             **({"family": "qwen3"} | kw))
 
 
 def _rewrite(src, dst, *, tensors=None, config=None):
@@ -395,16 +398,109 @@ def test_writer_fuses_separate_gate_and_up_block_diagonally(tmp_path):
         save_peft_adapter(tmp_path, w, r=4, lora_alpha=4, layout="gate_up")
 
 
-def test_writer_uses_mixtral_expert_names(tmp_path):
+# Per-expert module names of each family's transformers 4 model (modeling_qwen3_moe,
+# modeling_mixtral, modeling_deepseek_v2, modeling_deepseek_v3): block, gate, up, down.
+V4_EXPERT_NAMES = {"qwen3": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                   "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+                   "deepseek-v2": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                   "deepseek-v3": ("mlp", "gate_proj", "up_proj", "down_proj")}
+
+
+@pytest.mark.parametrize("family", sorted(V4_EXPERT_NAMES))
+def test_experts_layout_writes_the_family_module_names(tmp_path, family):
     w = factors(np.random.default_rng(13), r=4, layers=1, shared_a=False)
-    folder = save_peft_adapter(tmp_path, w, r=4, lora_alpha=4, layout="experts",
-                               expert_names="mixtral")
+    folder = save_peft_adapter(tmp_path, w, r=4, lora_alpha=4, layout="experts", family=family)
+    block, *names = V4_EXPERT_NAMES[family]
     keys = set(load_file(str(folder / WEIGHTS_NAME)))
-    assert "base_model.model.model.layers.0.block_sparse_moe.experts.2.w3.lora_B.weight" in keys
-    assert not any("_proj" in k for k in keys)
-    assert json.loads((folder / CONFIG_NAME).read_text())["target_modules"] == [
-        "gate", "w1", "w3", "w2"]
+    assert keys == {f"base_model.model.model.layers.0.{block}.{m}.lora_{ab}.weight"
+                    for m in ["gate", *(f"experts.{e}.{n}" for e in range(E) for n in names)]
+                    for ab in "AB"}
+    assert json.loads((folder / CONFIG_NAME).read_text())["target_modules"] == ["gate", *names]
     assert_matches(load_peft_adapter(folder, **DIMS), w, {p: 1.0 for p in w[0]})
+
+
+def test_experts_layout_takes_a_family_config_and_a_matching_expert_names(tmp_path):
+    from jax_moelora.nnx import Mixtral
+
+    w = factors(np.random.default_rng(13), r=4, layers=1)
+    a = save_peft_adapter(tmp_path / "a", w, r=4, lora_alpha=4, layout="experts",
+                          family=Mixtral())
+    b = save_peft_adapter(tmp_path / "b", w, r=4, lora_alpha=4, layout="experts",
+                          family="mixtral", expert_names="mixtral")
+    c = save_peft_adapter(tmp_path / "c", w, r=4, lora_alpha=4, layout="experts",
+                          expert_names="mixtral")  # the names alone, no family to check
+    want = load_file(str(a / WEIGHTS_NAME))
+    assert "base_model.model.model.layers.0.block_sparse_moe.experts.2.w3.lora_B.weight" in want
+    for folder in (b, c):
+        got = load_file(str(folder / WEIGHTS_NAME))
+        assert got.keys() == want.keys()
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_experts_layout_without_the_family_is_refused(tmp_path):
+    """Qwen3-MoE's names in a file for a Mixtral model load into peft without a warning and
+    apply wrong deltas: the writer does not guess the family."""
+    w = factors(np.random.default_rng(13), r=4, layers=1)
+    with pytest.raises(ValueError, match=r"layout='experts' .* differ between families .*"
+                                         r"pass family= \(one of \["):
+        save_peft_adapter(tmp_path / "a", w, r=4, lora_alpha=4, layout="experts")
+    assert not (tmp_path / "a").exists()
+    save_peft_adapter(tmp_path / "b", w, r=4, lora_alpha=4)  # target_parameters: no names
+
+
+@pytest.mark.parametrize("layout, family, kw, match", [
+    ("experts", "mixtral", dict(expert_names="qwen3"),
+     "expert_names='qwen3' contradicts family='mixtral', whose models use expert_names='mixtral'"),
+    ("experts", "qwen3", dict(expert_names="mixtral"),
+     "expert_names='mixtral' contradicts family='qwen3', whose models use expert_names='qwen3'"),
+    ("experts", "deepseek-v3", dict(expert_names="mixtral"),
+     "expert_names='mixtral' contradicts family='deepseek-v3'"),
+    ("experts", "deepseek-v2", dict(router="router"),
+     "router='router' contradicts family='deepseek-v2', whose models use router='gate'"),
+    ("target_parameters", "qwen3", dict(router="router"),
+     "router='router' contradicts family='qwen3'"),
+    ("target_parameters", "mixtral", dict(gate_up_split="interleaved"),
+     "gate_up_split='interleaved' contradicts family='mixtral'"),
+])
+def test_arguments_contradicting_the_family_are_refused(tmp_path, layout, family, kw, match):
+    w = factors(np.random.default_rng(13), r=4, layers=1)
+    with pytest.raises(ValueError, match=match):
+        save_peft_adapter(tmp_path / "a", w, r=4, lora_alpha=4, layout=layout, family=family,
+                          **kw)
+    assert not (tmp_path / "a").exists()
+
+
+def test_gpt_oss_has_no_experts_layout(tmp_path):
+    """transformers 4's gpt-oss experts are fused parameters, not per-expert modules."""
+    w = factors(np.random.default_rng(13), r=4, layers=1)
+    with pytest.raises(ValueError, match=r"family='gpt-oss' has no layout='experts'.*fused.*"
+                                         r"layout='target_parameters'"):
+        save_peft_adapter(tmp_path / "a", w, r=4, lora_alpha=4, layout="experts",
+                          family="gpt-oss")
+    with pytest.raises(ValueError, match="router='gate' contradicts family='gpt-oss'"):
+        save_peft_adapter(tmp_path / "a", w, r=4, lora_alpha=4, family="gpt-oss", router="gate")
+    # the family gives gpt-oss's router name and gate/up interleaving
+    folder = save_peft_adapter(tmp_path / "b", w, r=4, lora_alpha=4, family="gpt-oss")
+    assert "base_model.model.model.layers.0.mlp.router.lora_A.weight" in set(
+        load_file(str(folder / WEIGHTS_NAME)))
+    assert_matches(load_peft_adapter(folder, gate_up_split="interleaved", **DIMS), w,
+                   {p: 1.0 for p in w[0]})
+
+
+def test_writer_families_are_the_model_families(tmp_path):
+    """The writer knows every family name of ``jax_moelora.nnx`` and its router and gate/up
+    layout; an unknown name is refused."""
+    from jax_moelora.nnx.families import FAMILIES
+    from jax_moelora.peft.writer import FAMILY_LAYOUTS
+
+    assert set(FAMILY_LAYOUTS) == set(FAMILIES)
+    for name, (_, router, split) in FAMILY_LAYOUTS.items():
+        assert router == ("router" if FAMILIES[name].router_bias else "gate"), name
+        assert split == FAMILIES[name].gate_up_split, name
+    with pytest.raises(ValueError, match=r"family must be one of \[.*'qwen3'\].*got 'llama'"):
+        save_peft_adapter(tmp_path, factors(np.random.default_rng(13), layers=1), r=4,
+                          lora_alpha=4, family="llama")
 
 
 def test_reject_adapter_without_moe_lora(tmp_path):
@@ -452,7 +548,7 @@ def test_shared_experts_and_router_name_round_trip(tmp_path, layout):
                       rng.standard_normal((n, 2)).astype(np.float32))
                   for p, k, n in (("gate", H, 16), ("up", H, 16), ("down", 16, H))}}
     folder = save_peft_adapter(tmp_path, w, r=2, lora_alpha=4, layout=layout, router="router",
-                               shared_experts=shared)
+                               expert_names="qwen3", shared_experts=shared)
     keys = set(load_file(str(folder / WEIGHTS_NAME)))
     assert "base_model.model.model.layers.0.mlp.router.lora_A.weight" in keys
     assert "base_model.model.model.layers.0.mlp.shared_experts.down_proj.lora_B.weight" in keys

@@ -308,13 +308,14 @@ def test_fixture_outputs_follow_from_its_tensors(name):
 # --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,kw", [
-    ("qwen3_dotted", dict(layout="target_parameters")),
-    ("mixtral_dotted", dict(layout="target_parameters")),
-    ("gpt_oss_dotted", dict(layout="target_parameters", router="router",
-                            gate_up_split="interleaved")),
-    ("qwen3_v4_experts", dict(layout="experts")),
-    ("mixtral_v4_experts", dict(layout="experts", expert_names="mixtral")),
-    ("deepseek_v2_shared", dict(layout="target_parameters")),
+    ("qwen3_dotted", dict(layout="target_parameters", family="qwen3")),
+    ("mixtral_dotted", dict(layout="target_parameters", family="mixtral")),
+    ("gpt_oss_dotted", dict(layout="target_parameters", family="gpt-oss")),
+    pytest.param("gpt_oss_dotted", dict(layout="target_parameters", router="router",
+                                        gate_up_split="interleaved"), id="gpt_oss_dotted-no_family"),
+    ("qwen3_v4_experts", dict(layout="experts", family="qwen3")),
+    ("mixtral_v4_experts", dict(layout="experts", family="mixtral")),
+    ("deepseek_v2_shared", dict(layout="target_parameters", family="deepseek-v2")),
 ])
 def test_writer_reproduces_peft_keys(tmp_path, name, kw):
     """Read a peft-made fixture, write its factors back: the file peft wrote, key for key and

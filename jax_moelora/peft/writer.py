@@ -13,11 +13,15 @@ Two layouts, each the one peft writes for a model family and release:
   stacked along the rank, ``B`` block-diagonal, ``rank_pattern`` and
   ``alpha_pattern`` ``".*\\.gate_up_proj"`` keeping their scale.
 - ``"experts"``: per-expert ``nn.Linear`` modules of transformers 4, with the
-  family's names (``expert_names``): ``mlp.experts.{e}.gate_proj/up_proj/
-  down_proj`` (Qwen3-MoE, the default) or Mixtral's
-  ``block_sparse_moe.experts.{e}.w1/w3/w2`` (``expert_names="mixtral"``).
-  peft loads these into transformers 4 models, and peft 0.21 converts them
-  when loading into a transformers 5 Qwen3-MoE or Mixtral model.
+  names of the model family's transformers 4 model (``family=``):
+  ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (Qwen3-MoE, DeepSeek-V2/V3)
+  or Mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2``. peft loads these
+  into transformers 4 models, and peft 0.21 converts them when loading into
+  a transformers 5 Qwen3-MoE or Mixtral model. The two name sets are not
+  interchangeable (peft loads a file of the other family's names without a
+  warning, and applies wrong deltas), so this layout needs ``family=`` (or
+  ``expert_names=``) and refuses the two when they disagree. gpt-oss has no
+  per-expert layout (its transformers 4 experts are fused).
 
 ``scripts/check_peft_writer.py`` loads what this writes with real peft and
 compares the deltas.
@@ -48,9 +52,22 @@ LAYOUTS = ("target_parameters", "experts")
 #: config's ``peft_version``: a reader takes it to mean ``lora_A`` reads the input).
 PEFT_FORMAT_VERSION = "0.21.2"
 
-#: Per-expert module names (gate, up, down) and the MoE block's name, per family.
+#: Per-expert module names (gate, up, down) and the MoE block's name, per name set.
 EXPERT_NAMES = {"qwen3": (("gate_proj", "up_proj", "down_proj"), "mlp"),
                 "mixtral": (("w1", "w3", "w2"), "block_sparse_moe")}
+
+#: Per model family (the names of ``jax_moelora.nnx.families.FAMILIES``): the
+#: ``EXPERT_NAMES`` set of its transformers 4 per-expert modules (``None``:
+#: gpt-oss, whose transformers 4 experts are fused), the router module's name
+#: and how its fused ``gate_up_proj`` stacks gate and up.
+FAMILY_LAYOUTS = {
+    "qwen3": ("qwen3", "gate", "halves"),
+    "mixtral": ("mixtral", "gate", "halves"),
+    "deepseek-v2": ("qwen3", "gate", "halves"),
+    "deepseek-v3": ("qwen3", "gate", "halves"),
+    "deepseek": ("qwen3", "gate", "halves"),
+    "gpt-oss": (None, "router", "interleaved"),
+}
 
 _GATE_UP = r".*\.gate_up_proj"
 
@@ -91,14 +108,47 @@ def _fused_gate_up(ag, bg, au, bu, split: str, block: bool) -> tuple[np.ndarray,
     return a, b
 
 
+def _family_choices(family, layout: str, expert_names: str | None, router: str | None,
+                    gate_up_split: str | None) -> tuple[str | None, str, str]:
+    """``(expert_names, router, gate_up_split)``: those given, the rest from
+    ``family``; ``ValueError`` when a given one contradicts the family."""
+    name = getattr(family, "name", family)
+    if name is not None and name not in FAMILY_LAYOUTS:
+        raise ValueError(f"save_peft_adapter: family must be one of {sorted(FAMILY_LAYOUTS)} "
+                         f"(or a family config with such a name), got {family!r}")
+    if expert_names is not None and expert_names not in EXPERT_NAMES:
+        raise ValueError(f"expert_names must be one of {sorted(EXPERT_NAMES)}, "
+                         f"got {expert_names!r}")
+    if name is None:
+        if layout == "experts" and expert_names is None:
+            raise ValueError(
+                "save_peft_adapter: layout='experts' writes the per-expert module names of the "
+                "model family's transformers 4 model, which differ between families (gate_proj/"
+                "up_proj/down_proj for Qwen3-MoE and DeepSeek, w1/w3/w2 for Mixtral); pass "
+                f"family= (one of {sorted(FAMILY_LAYOUTS)})")
+        return expert_names, router or "gate", gate_up_split or "halves"
+    fam_names, fam_router, fam_split = FAMILY_LAYOUTS[name]
+    if layout == "experts" and fam_names is None:
+        raise ValueError(f"save_peft_adapter: family={name!r} has no layout='experts': its "
+                         "transformers 4 experts are fused (gate_up_proj, down_proj), not "
+                         "per-expert modules; write layout='target_parameters'")
+    for arg, given, want in (("expert_names", expert_names, fam_names),
+                             ("router", router, fam_router),
+                             ("gate_up_split", gate_up_split, fam_split)):
+        if given is not None and want is not None and given != want:
+            raise ValueError(f"save_peft_adapter: {arg}={given!r} contradicts family={name!r}, "
+                             f"whose models use {arg}={want!r}")
+    return fam_names, fam_router, fam_split
+
+
 def save_peft_adapter(path: str | os.PathLike,
                       weights: Mapping[int, Mapping[str, tuple[Any, Any]]], *,
                       r: int, lora_alpha: float, layout: str = "target_parameters",
                       use_rslora: bool = False, rank_pattern: Mapping[str, int] | None = None,
                       alpha_pattern: Mapping[str, float] | None = None,
                       dtype: Any = np.float32, prefix: str = "base_model.model.model.",
-                      expert_names: str = "qwen3", router: str = "gate",
-                      gate_up_split: str = "halves",
+                      family: Any = None, expert_names: str | None = None,
+                      router: str | None = None, gate_up_split: str | None = None,
                       shared_experts: Mapping[int, Mapping[str, tuple[Any, Any]]] | None = None,
                       base_model_name_or_path: str | None = None,
                       extra_tensors: Mapping[str, Any] | None = None,
@@ -119,11 +169,18 @@ def save_peft_adapter(path: str | os.PathLike,
       dtype: tensor dtype in the file (numpy float dtype, or
         ``ml_dtypes.bfloat16``).
       prefix: key prefix before ``layers.``.
+      family: the model family, a name in ``FAMILY_LAYOUTS`` (those of
+        ``jax_moelora.nnx.families``: ``"qwen3"``, ``"mixtral"``,
+        ``"deepseek-v2"``, ``"deepseek-v3"``, ``"gpt-oss"``) or a family
+        config (``block.family``). It gives ``expert_names``, ``router`` and
+        ``gate_up_split``; one of those given as well must agree with it.
+        ``layout="experts"`` needs ``family`` or ``expert_names``.
       expert_names: ``"qwen3"`` or ``"mixtral"``: per-expert module and block
-        names of the ``"experts"`` layout.
-      router: the router module's name (``"gate"``, or ``"router"`` for gpt-oss).
+        names of the ``"experts"`` layout (default: the family's).
+      router: the router module's name (default: the family's; ``"gate"``,
+        or ``"router"`` for gpt-oss).
       gate_up_split: ``"halves"`` or ``"interleaved"`` (gpt-oss), for the
-        fused ``gate_up_proj``.
+        fused ``gate_up_proj`` (default: the family's; ``"halves"``).
       shared_experts: ``{layer: {"gate" | "up" | "down": (A [r, K], B [N, r])}}``
         of a shared expert MLP (DeepSeek-V2/V3), written as
         ``mlp.shared_experts.{gate,up,down}_proj`` and targeted as
@@ -136,12 +193,16 @@ def save_peft_adapter(path: str | os.PathLike,
 
     Returns:
       The folder.
+
+    Raises:
+      ValueError: ``layout="experts"`` without ``family`` or ``expert_names``,
+        or for gpt-oss; ``expert_names``, ``router`` or ``gate_up_split``
+        contradicting ``family``; an unknown name or malformed factors.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if expert_names not in EXPERT_NAMES:
-        raise ValueError(f"expert_names must be one of {sorted(EXPERT_NAMES)}, "
-                         f"got {expert_names!r}")
+    expert_names, router, gate_up_split = _family_choices(family, layout, expert_names, router,
+                                                          gate_up_split)
     if gate_up_split not in ("halves", "interleaved"):
         raise ValueError(f"gate_up_split must be 'halves' or 'interleaved', got {gate_up_split!r}")
     folder = Path(path)
