@@ -53,4 +53,17 @@ enum ExpertMatmulSchedule : int64_t {
   kExpertMatmulPingpong = 1,     // a tile per warpgroup, epilogues overlapped
 };
 
+// grouped_matmul (ffi_src/expert_matmul/grouped_matmul.h): grouped GEMMs over
+// row groups of several independent operand sets in one launch, the
+// building block of the backward passes (jax_moelora/ops/grouped_matmul.py).
+inline constexpr const char* kGroupedMatmulTarget = "grouped_matmul";
+// Operand sets one grouped_matmul call takes.
+inline constexpr int kGroupedMatmulMaxSets = 8;
+// Values of grouped_matmul's `mode` attribute.
+enum GroupedMatmulMode : int64_t {
+  kGmm = 0,      // out[r] = lhs[r] @ rhs[slot(g)]      rhs [P, K, N], out [M, N]
+  kGmmRhsT = 1,  // out[r] = lhs[r] @ rhs[slot(g)]^T    rhs [P, N, K], out [M, N]
+  kTgmm = 2,     // out[g] = lhs[rows of g]^T @ rhs[rows of g]   out f32 [G, K, N]
+};
+
 }  // namespace moelora

@@ -56,6 +56,8 @@ XLA_FFI_Error* MoeLoraGroupedDownCuda(XLA_FFI_CallFrame* call_frame);
 #ifdef MOELORA_WITH_EXPERT_MATMUL
 // expert_matmul: operands and attributes in ffi_src/expert_matmul/expert_matmul.h.
 XLA_FFI_Error* ExpertMatmulCuda(XLA_FFI_CallFrame* call_frame);
+// grouped_matmul: operands and attributes in ffi_src/expert_matmul/grouped_matmul.h.
+XLA_FFI_Error* GroupedMatmulCuda(XLA_FFI_CallFrame* call_frame);
 #endif
 }
 
@@ -64,6 +66,9 @@ namespace moelora {
 // Bytes of the expert_matmul scratch buffer for `num_groups` GEMM problems
 // (weight sets x experts) on a device with `sm_count` SMs.
 int64_t expert_matmul_scratch_bytes(int64_t num_groups, int64_t sm_count);
+// Bytes of the grouped_matmul scratch buffer of a `mode` call with
+// `num_groups` problems (all its sets' groups) on `sm_count` SMs.
+int64_t grouped_matmul_scratch_bytes(int64_t mode, int64_t num_groups, int64_t sm_count);
 // SMs of CUDA device `device` (0 when it cannot be queried).
 int64_t cuda_sm_count(int64_t device);
 }  // namespace moelora

@@ -30,6 +30,7 @@ NB_MODULE(_moelora, m) {
     cuda[moelora::kGroupedDownTarget] = capsule(MoeLoraGroupedDownCuda);
 #ifdef MOELORA_WITH_EXPERT_MATMUL
     cuda[moelora::kExpertMatmulTarget] = capsule(ExpertMatmulCuda);
+    cuda[moelora::kGroupedMatmulTarget] = capsule(GroupedMatmulCuda);
 #endif
     platforms["CUDA"] = cuda;
 #endif
@@ -55,12 +56,21 @@ NB_MODULE(_moelora, m) {
   m.attr("EXPERT_MATMUL_MAX_WEIGHTS") = moelora::kExpertMatmulMaxWeights;
   m.attr("EXPERT_MATMUL_COOPERATIVE") = static_cast<int>(moelora::kExpertMatmulCooperative);
   m.attr("EXPERT_MATMUL_PINGPONG") = static_cast<int>(moelora::kExpertMatmulPingpong);
+  m.attr("GROUPED_MATMUL_TARGET") = moelora::kGroupedMatmulTarget;
+  m.attr("GROUPED_MATMUL_MAX_SETS") = moelora::kGroupedMatmulMaxSets;
+  m.attr("GMM") = static_cast<int>(moelora::kGmm);
+  m.attr("GMM_RHS_T") = static_cast<int>(moelora::kGmmRhsT);
+  m.attr("TGMM") = static_cast<int>(moelora::kTgmm);
 #ifdef MOELORA_WITH_EXPERT_MATMUL
   m.attr("HAS_EXPERT_MATMUL") = true;
   m.def("expert_matmul_scratch_bytes", &moelora::expert_matmul_scratch_bytes,
         nb::arg("num_groups"), nb::arg("sm_count"),
         "Bytes of expert_matmul's scratch buffer for num_groups GEMM problems on a device "
         "with sm_count SMs (pointer and shape arrays, then CUTLASS's workspace).");
+  m.def("grouped_matmul_scratch_bytes", &moelora::grouped_matmul_scratch_bytes,
+        nb::arg("mode"), nb::arg("num_groups"), nb::arg("sm_count"),
+        "Bytes of grouped_matmul's scratch buffer for a call of `mode` with num_groups "
+        "problems on a device with sm_count SMs.");
   m.def("cuda_sm_count", &moelora::cuda_sm_count, nb::arg("device"),
         "SMs of a CUDA device (0 when it cannot be queried).");
 #else

@@ -1,16 +1,28 @@
-// The CUTLASS 4.2 kernel types of expert_matmul: a ptr-array grouped GEMM for
-// sm90 (TMA loads, wgmma, warp-specialized persistent kernel, cooperative or
-// pingpong).
+// The CUTLASS 4.2 kernel types of the library's grouped GEMMs: ptr-array
+// grouped GEMMs for sm90 (TMA loads, wgmma, warp-specialized persistent
+// kernel, cooperative or pingpong).
 //
-//   A = x rows of one expert     [m_e, K] row-major (K-major)
-//   B = w[e]                     [K, N] row-major (N-major; wgmma reads it
-//                                transposed from shared memory, 16-bit types)
-//   D = out rows of that expert  [m_e, N] row-major, D = round(A @ B) with fp32
-//                                accumulation; no C operand (ElementC = void).
-// One problem per (weight set, expert); the problem shapes and pointers live
-// in device memory and the host passes no shapes, so the persistent grid is
-// one CTA per SM and the scheduler walks the groups on the device.
+// A GemmConfig fixes the operand layouts (legacy CUTLASS tags over the
+// (M, K) A and (K, N) B matrices) and the C and D element types:
+//
+//   forward (Config):  D[m_e, N] = round(x_e[m_e, K] @ w[e][K, N])
+//                      A row-major (K-major); B row-major (N-major; wgmma reads
+//                      it transposed from shared memory, 16-bit types); no C.
+//   kGmm:              D = round(lhs_g @ rhs[slot] + beta * C), as the forward
+//                      with a C operand (C = D: accumulate in place).
+//   kGmmRhsT:          D = round(lhs_g @ rhs[slot]^T + beta * C): B column-major
+//                      (K-major), the weights read transposed in place.
+//   kTgmm:             D[K, N] (fp32) = lhs_g^T @ rhs_g over a group's rows:
+//                      A column-major (M-major), B row-major (N-major); the
+//                      group's rows are the reduction.
+//
+// fp32 accumulation everywhere. One problem per group; the problem shapes and
+// pointers live in device memory and the host passes no shapes, so the
+// persistent grid is one CTA per SM and the scheduler walks the groups on the
+// device.
 #pragma once
+
+#include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -47,20 +59,32 @@ struct Pingpong {
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
-template <class Element, class Schedule>
-struct Config {
-  using LayoutA = cutlass::layout::RowMajor;
-  using LayoutB = cutlass::layout::RowMajor;
-  using LayoutD = cutlass::layout::RowMajor;
-  static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;  // 16 bytes
+using RowMajor = cutlass::layout::RowMajor;
+using ColumnMajor = cutlass::layout::ColumnMajor;
+
+template <class Element, class LayoutA_, class LayoutB_, class ElementC_, class ElementD_,
+          class Schedule>
+struct GemmConfig {
+  using ElementAB = Element;
+  using ElementC = ElementC_;  // void: no C operand
+  using ElementD = ElementD_;
+  using LayoutA = LayoutA_;
+  using LayoutB = LayoutB_;
+  using LayoutD = RowMajor;
+  static constexpr bool kHasC = !std::is_void_v<ElementC>;
+  static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;     // 16 bytes
+  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
+  static constexpr int kAlignC =
+      kHasC ? 128 / cutlass::sizeof_bits<std::conditional_t<kHasC, ElementC, ElementD>>::value
+            : kAlignD;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, LayoutD*, kAlign,        // no C operand
-      Element, LayoutD*, kAlign,
+      ElementC, LayoutD*, kAlignC,
+      ElementD, LayoutD*, kAlignD,
       typename Schedule::Epilogue,
-      cutlass::epilogue::fusion::LinearCombination<Element, float, void, float>>::CollectiveOp;
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
@@ -77,8 +101,13 @@ struct Config {
 
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
+  using StrideC = typename Kernel::InternalStrideC;
   using StrideD = typename Kernel::InternalStrideD;
   using Shape = typename ProblemShape::UnderlyingProblemShape;
 };
+
+// expert_matmul's forward GEMM: x @ w[e], no C operand.
+template <class Element, class Schedule>
+using Config = GemmConfig<Element, RowMajor, RowMajor, void, Element, Schedule>;
 
 }  // namespace moelora::expert_gemm
