@@ -72,6 +72,13 @@ EXPERT_MATMUL_COOPERATIVE: int = ext.EXPERT_MATMUL_COOPERATIVE
 EXPERT_MATMUL_PINGPONG: int = ext.EXPERT_MATMUL_PINGPONG
 # The CUTLASS grouped GEMM kernel was built (CUDA and the CUTLASS headers found).
 HAS_EXPERT_MATMUL: bool = ext.HAS_EXPERT_MATMUL
+# grouped_matmul (the backward's grouped GEMMs): target, operand sets a call
+# takes, and its `mode` attribute's values.
+GROUPED_MATMUL_TARGET: str = ext.GROUPED_MATMUL_TARGET
+GROUPED_MATMUL_MAX_SETS: int = ext.GROUPED_MATMUL_MAX_SETS
+GMM: int = ext.GMM
+GMM_RHS_T: int = ext.GMM_RHS_T
+TGMM: int = ext.TGMM
 
 
 @functools.cache

@@ -43,7 +43,7 @@ from jax_moelora.ops.contract import offsets_well_formed
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["GatherCfg", "GroupedCfg", "gather_op", "grouped_op", "match_varying", "varying_axes",
-           "virtual_ids"]
+           "virtual_ids", "sequential", "map_batch"]
 
 
 class GatherCfg(NamedTuple):
@@ -267,5 +267,36 @@ def grouped_op(cfg: GroupedCfg):
         out = grouped_op(flat_cfg)(_flat(_bcast(x, xb, size)), _flat(base), offsets,
                                    _flat(tok), _virtual_route(route, rb, size, V), ra, out_rows)
         return out.reshape(base.shape), True
+
+    return op
+
+
+def map_batch(fn, in_batched, *args):
+    """``fn`` once per batch element (``jax.lax.map`` over the batched
+    operands, the unbatched ones shared): a ``custom_vmap`` rule's result
+    ``(out, out_batched)``."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    flags = jax.tree_util.tree_leaves(in_batched)
+    batched = [v for v, b in zip(leaves, flags) if b]
+
+    def one(elems):
+        it = iter(elems)
+        return fn(*jax.tree_util.tree_unflatten(
+            tree, [next(it) if b else v for v, b in zip(leaves, flags)]))
+
+    out = jax.lax.map(one, batched)
+    return out, jax.tree_util.tree_map(lambda _: True, out)
+
+
+def sequential(fn):
+    """``fn`` (positional array pytrees) with a batching rule that runs it once
+    per batch element (:func:`map_batch`): for computations whose primitives
+    cannot be batched along every axis (``jax.lax.ragged_dot`` batches over a
+    leading group axis only)."""
+    op = jax.custom_batching.custom_vmap(fn)
+
+    @op.def_vmap
+    def rule(size, in_batched, *args):
+        return map_batch(op, in_batched, *args)
 
     return op
