@@ -21,7 +21,7 @@ from jax_moelora import backends, moe_lora_fold, moe_lora_gather_bgmv, moe_lora_
 from jax_moelora.ops import autodiff, jnp_fold
 
 IMPLS = backends()["impls"]  # ["cpu", "jnp"] on a CPU, ["fast", "seed", "jnp"] on a GPU
-MODES = ["dense", "tiled"]
+MODES = ["dense", "tiled", "grouped"]
 F32 = jnp.float32
 
 

@@ -26,20 +26,32 @@ offsets, tables, the row-adapter map) get no cotangent (``None``; ``float0``
 from ``jax.vjp``). Reverse mode only: ``jax.jvp`` of a ``custom_vjp`` is not
 defined. Composes with ``jax.vmap`` (``ops/batching.py``) and ``shard_map``.
 
-The backward is traced ``jnp`` that runs on the device for every ``impl``
-(there are no backward custom calls; the folds' forward kernels do the
-primal). It never gathers one A or B block per row. Two formulations, picked
-statically by size (``backward_mode``):
+The backward runs on the device for every ``impl``; it never gathers one A
+or B block per row. Three formulations (``fold_rows_vjp``):
 
-- ``"tiled"``: rows are sorted by table cell and laid out in tiles of ``T``
-  rows that each hold rows of ONE cell (``T`` from the row count and the
-  number of cells); one A and one B block is gathered per tile and all the
-  per-row work becomes batched matmuls ``[tiles, T, .] x [tiles, ., .]``;
-  per-tile weight gradients are segment-summed into the pools. At most
-  ``ceil(rows / T) + min(cells, rows)`` tiles.
-- ``"dense"``: for few rows, products against the whole pool
-  (``einsum('mk,prk->mpr')``) selected with one-hot slot masks: no gathers,
-  sorts or scatters of blocks at all; costs ``rows * P`` rank-vectors.
+- ``"grouped"``: rows sorted by (adapter, expert) cell, then grouped matmuls
+  over the cells (``ops/grouped_vjp.py``). Where the fold runs on CUDA
+  (``impl`` ``"fast"``/``"seed"``, or ``"auto"`` lowered for CUDA) and the
+  grouped-GEMM kernels take the operands (a Hopper GPU, bf16/f16, ``K``,
+  ``N``, ``R`` multiples of 8), they are CUTLASS kernels
+  (``ops/grouped_matmul.py``): a few launches for the whole backward, and
+  one for all the projections of a ``StackedRoute`` (the ``custom_vmap``
+  rule of ``_grouped_op``).
+- everywhere else traced ``jnp``, picked statically by size
+  (``backward_mode``):
+
+  - ``"tiled"``: rows are sorted by table cell and laid out in tiles of ``T``
+    rows that each hold rows of ONE cell (``T`` from the row count and the
+    number of cells); one A and one B block is gathered per tile and all the
+    per-row work becomes batched matmuls ``[tiles, T, .] x [tiles, ., .]``;
+    per-tile weight gradients are segment-summed into the pools. At most
+    ``ceil(rows / T) + min(cells, rows)`` tiles.
+  - ``"dense"``: for few rows, products against the whole pool
+    (``einsum('mk,prk->mpr')``) selected with one-hot slot masks: no gathers,
+    sorts or scatters of blocks at all; costs ``rows * P`` rank-vectors.
+
+``FORCE_MODE`` forces one formulation (``"grouped"`` in its jnp form off
+the GPU).
 """
 
 from __future__ import annotations
@@ -50,14 +62,16 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_moelora.ops import batching, jnp_fold, launch
+from jax_moelora import _ext
+from jax_moelora.ops import batching, grouped_vjp, jnp_fold, launch
+from jax_moelora.ops import grouped_matmul as gm
 from jax_moelora.ops.batching import GatherCfg, GroupedCfg
 from jax_moelora.ops.jnp_fold import rounded
 from jax_moelora.ops.search import searchsorted
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["gather_bgmv", "grouped_down", "backward_mode", "tile_rows", "fold_rows_vjp",
-           "gather_fold_vjp"]
+           "gather_fold_vjp", "route_cotangent"]
 
 _HI = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
@@ -65,7 +79,7 @@ _F32 = jnp.float32
 # The dense formulation is used while rows * pool_size is at most this many
 # rank-vectors (or at most what the tiled one would pad to).
 DENSE_MAX = 1 << 14
-# "dense" or "tiled" forces one formulation (tests; read at trace time).
+# "dense", "tiled" or "grouped" forces one formulation (tests; read at trace time).
 FORCE_MODE: str | None = None
 
 
@@ -181,7 +195,86 @@ def _bwd_tiled(x, route, g_rows, xi, cell, ok):
     return dx_rows, x_idx, da, db, ds_t, tile_cell
 
 
-def fold_rows_vjp(x, route: MoeExpertRoute, g_rows, xi, cell, ok, mode: str | None = None):
+def _grouped_members(kernels: bool, x, specs, g, xi, cell, ok):
+    """The grouped formulation for the projections ``specs`` (``(route,
+    pools, plane)``: its tables, its pools ``[S, P, ...]`` read at ``plane``
+    or None for the route's own) folded over the same rows: rows sorted by
+    cell, then the grouped matmuls of ``ops/grouped_vjp.py`` (the CUDA kernels
+    with ``kernels``, else their jnp form), one launch of each for all
+    projections. ``g [S or 1, m, N]``: the rows' cotangents, projection ``s``
+    reading plane ``s`` (or 0). Returns ``(dx, d_a_pool, d_b_pool, d_scale)``
+    per projection."""
+    route = specs[0][0]
+    L, E = route.max_loras, route.n_experts
+    key = jnp.where(ok, (cell % E) * L + cell // E, L * E).astype(jnp.int32)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    xo = xi[order]
+    gs = g[:, order]
+    members = [grouped_vjp.member(r, gs, plane=pl, g_plane=min(i, gs.shape[0] - 1), pools=p)
+               for i, (r, p, pl) in enumerate(specs)]
+    dxs, grads = grouped_vjp.lora_grads_sorted(x[xo], members, key[order],
+                                               impl="fast" if kernels else "jnp", separate=True)
+    out = []
+    for dx_rows, gr, (r, _, _) in zip(dxs, grads, specs):
+        dx = jnp.zeros(x.shape, _F32).at[xo].add(dx_rows.astype(_F32))
+        out.append((dx.astype(x.dtype), gr.d_a_pool.astype(r.dtype), gr.d_b_pool.astype(r.dtype),
+                    gr.d_scale.reshape(E, L).T))
+    return out
+
+
+@functools.cache
+def _grouped_op(kernels: bool):
+    """The grouped formulation of one projection, ``(x, route, g_rows, xi,
+    cell, ok) -> (dx, d_a_pool, d_b_pool, d_scale)``, as a ``custom_vmap``
+    function: a batch over the projection (a ``StackedRoute``'s members,
+    per-example cotangents) with shared rows runs as one call for all of them,
+    pools stacked ``[S, P, ...]`` read in place; any other batch runs one
+    element at a time."""
+
+    @jax.custom_batching.custom_vmap
+    def op(x, route, g_rows, xi, cell, ok):
+        return _grouped_members(kernels, x, [(route, None, 0)], g_rows[None], xi, cell, ok)[0]
+
+    @op.def_vmap
+    def rule(size, in_batched, x, route, g_rows, xi, cell, ok):
+        xb, rb, gb, ib, cb, ob = in_batched
+        if xb or ib or cb:  # rows differ per element
+            return batching.map_batch(op, in_batched, x, route, g_rows, xi, cell, ok)
+        pools_b = (rb.a_pool, rb.b_pool)
+        specs = []
+        for s in range(size):
+            r = jax.tree_util.tree_map(lambda v, b: v[s] if b else v, route, rb)
+            if all(pools_b):
+                specs.append((r, (route.a_pool, route.b_pool), s))
+            else:  # shared pools (plane 0), or one side batched: the member's own slices
+                specs.append((r, None if not any(pools_b) else (r.a_pool[None], r.b_pool[None]),
+                              0))
+        g = g_rows if gb else g_rows[None]
+        rows_ok = jnp.any(ok, axis=0) if ob else ok  # a row folds for one member or another
+        outs = _grouped_members(kernels, x, specs, g, xi, cell, rows_ok)
+        return tuple(jnp.stack(v) for v in zip(*outs)), (True, True, True, True)
+
+    return op
+
+
+def _vjp_in_mode(mode: str, x, route, g_rows, xi, cell, ok, kernels: bool = False):
+    if mode == "grouped":
+        return _grouped_op(kernels)(x, route, g_rows, xi, cell, ok)
+    fn = {"dense": _bwd_dense, "tiled": _bwd_tiled}[mode]
+    dx_rows, x_idx, da, db, ds, ds_cell = fn(x, route, g_rows, xi, cell, ok)
+    dx = jnp.zeros(x.shape, _F32).at[x_idx].add(dx_rows, mode="drop")
+    L, E = route.max_loras, route.n_experts
+    dscale = jnp.zeros((L * E,), _F32).at[ds_cell].add(ds, mode="drop").reshape(L, E)
+    return dx.astype(x.dtype), da.astype(route.dtype), db.astype(route.dtype), dscale
+
+
+def _grouped_runs(route: MoeExpertRoute, k_in: int) -> bool:
+    """Whether the grouped formulation's CUDA kernels take this route's folds."""
+    return gm.kernel_built(route.dtype, k_in, route.n_out, route.max_rank)
+
+
+def fold_rows_vjp(x, route: MoeExpertRoute, g_rows, xi, cell, ok, mode: str | None = None,
+                  impl: str = "jnp"):
     """Cotangents of the folded rows' deltas.
 
     Args:
@@ -190,23 +283,34 @@ def fold_rows_vjp(x, route: MoeExpertRoute, g_rows, xi, cell, ok, mode: str | No
       g_rows: ``[m, N]`` cotangent of each row's output.
       xi: int32 ``[m]`` x row per row; cell: int32 ``[m]`` flat table cell
         ``l * E + e``; ok: bool ``[m]``, whether the row folds.
-      mode: ``"dense"``, ``"tiled"`` or ``None`` (``backward_mode``).
+      mode: ``"dense"``, ``"tiled"``, ``"grouped"`` or ``None``: the
+        formulation. ``None`` takes ``"grouped"`` where the fold runs on CUDA
+        and the grouped-GEMM kernels take the operands (``impl`` ``"fast"``
+        or ``"seed"``, or ``"auto"`` lowered for CUDA), else
+        :func:`backward_mode`'s choice.
+      impl: the fold's backend (``"auto"``: decided per lowering platform).
 
     Returns:
       ``(dx [X, K] x.dtype, d_a_pool, d_b_pool (pool dtype), d_scale_table f32 [L, E])``.
     """
     m = g_rows.shape[0]
-    mode = backward_mode(m, route) if mode is None else mode
-    fn = {"dense": _bwd_dense, "tiled": _bwd_tiled}[mode]
-    g_rows = g_rows.astype(route.dtype)
-    dx_rows, x_idx, da, db, ds, ds_cell = fn(x, route, g_rows, xi, cell, ok)
-    dx = jnp.zeros(x.shape, _F32).at[x_idx].add(dx_rows, mode="drop")
-    L, E = route.max_loras, route.n_experts
-    dscale = jnp.zeros((L * E,), _F32).at[ds_cell].add(ds, mode="drop").reshape(L, E)
-    return dx.astype(x.dtype), da.astype(route.dtype), db.astype(route.dtype), dscale
+    args = (x, route, g_rows.astype(route.dtype), xi, cell, ok)
+    grouped = _grouped_runs(route, x.shape[1])
+    mode = FORCE_MODE if mode is None else mode
+    if mode is not None:  # the kernels where computations go to a GPU that runs them
+        return _vjp_in_mode(mode, *args, kernels=grouped and _ext.cuda_available())
+    fallback = backward_mode(m, route)
+    if impl in ("fast", "seed") and grouped and _ext.cuda_available():
+        return _vjp_in_mode("grouped", *args, kernels=True)
+    if impl == "auto" and grouped:
+        return jax.lax.platform_dependent(
+            *args, cuda=lambda *a: _vjp_in_mode("grouped", *a, kernels=True),
+            default=functools.partial(_vjp_in_mode, fallback))
+    return _vjp_in_mode(fallback, *args)
 
 
-def _route_ct(route: MoeExpertRoute, da, db, dscale) -> MoeExpertRoute:
+def route_cotangent(route: MoeExpertRoute, da, db, dscale) -> MoeExpertRoute:
+    """``route``'s cotangent: the pools', the scales' and None for the tables."""
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(route),
                                         [da, db, None, None, dscale])
 
@@ -243,8 +347,8 @@ def gather_fold_vjp(op, cfg: GatherCfg, rows_cotangent=None, x_index=None):
         if x_index is not None:
             xi = x_index(indices)
         g_rows = g if rows_cotangent is None else rows_cotangent(g, indices)
-        dx, da, db, ds = fold_rows_vjp(x, route, g_rows, xi, cell, ok)
-        return dx, g, None, _route_ct(route, da, db, ds), None
+        dx, da, db, ds = fold_rows_vjp(x, route, g_rows, xi, cell, ok, impl=cfg.impl)
+        return dx, g, None, route_cotangent(route, da, db, ds), None
 
     fold.defvjp(fwd, bwd)
     return fold
@@ -300,8 +404,8 @@ def _grouped_vjp(cfg: GroupedCfg):
             rows, ok = jnp_fold.window_out_rows(out_rows, g.shape[0], cfg.row_offset,
                                                 cfg.row_end, ok)
             g_rows = g[rows]
-        dx, da, db, ds = fold_rows_vjp(x, route, g_rows, xi, cell, ok)
-        return dx, g, None, None, _route_ct(route, da, db, ds), None, None
+        dx, da, db, ds = fold_rows_vjp(x, route, g_rows, xi, cell, ok, impl=cfg.impl)
+        return dx, g, None, None, route_cotangent(route, da, db, ds), None, None
 
     fold.defvjp(fwd, bwd)
     return fold

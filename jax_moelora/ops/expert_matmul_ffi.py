@@ -17,7 +17,7 @@ import numpy as np
 from jax_moelora import _ext
 from jax_moelora.tables import MoeExpertRoute
 
-__all__ = ["expert_matmul_ffi", "device_sm_count", "kernel_usable"]
+__all__ = ["expert_matmul_ffi", "device_sm_count", "kernel_usable", "hopper_built_and_present"]
 
 
 @functools.cache
@@ -31,7 +31,7 @@ def device_sm_count() -> int:
 
 
 @functools.cache
-def _hopper_built_and_present() -> bool:
+def hopper_built_and_present() -> bool:
     """The CUTLASS kernel was built and the first GPU is Hopper (sm_90)."""
     if not (_ext.HAS_EXPERT_MATMUL and _ext.HAS_CUDA):
         return False
@@ -46,7 +46,7 @@ def kernel_usable() -> bool:
     """The CUTLASS kernel was built, the GPU is Hopper (sm_90) and computations
     go to it now (decided per call: a ``jax.default_device`` CPU context on a
     GPU machine gets ``False``)."""
-    return _ext.cuda_available() and _hopper_built_and_present()
+    return _ext.cuda_available() and hopper_built_and_present()
 
 
 def _absent_route(dtype) -> tuple:

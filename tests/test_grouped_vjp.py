@@ -1,0 +1,152 @@
+"""The LoRA backward as grouped matmuls over (adapter, expert) cells
+(``ops/grouped_vjp.py``, docs/design.md "Backward").
+
+In f32 its cotangents equal the other formulations' (``"dense"``,
+``"tiled"``) up to the order of fp32 sums, for rows in any order (sorted by
+cell: used in place; otherwise sorted first), for one projection or several
+read from a stacked pool, with rows that fold nothing contributing nothing.
+The jnp form of the grouped matmuls runs everywhere; the CUDA kernels are
+checked against it in bf16 on the GPU.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from _transform_cases import make_route
+from jax_moelora.ops import autodiff, grouped_vjp, jnp_fold
+from jax_moelora.ops import grouped_matmul as gm
+from jax_moelora.ops.stacked import stack_routes
+
+GPU = pytest.mark.gpu
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def _rows(rng, route, M: int, *, sort: bool):
+    """Random rows of ``route``: adapter and expert per row (some outside the
+    tables), their flat cells ``l * E + e`` and whether each folds."""
+    L, E = route.max_loras, route.n_experts
+    adapter = rng.integers(-1, L + 1, M).astype(np.int32)
+    expert = rng.integers(-1, E + 1, M).astype(np.int32)
+    if sort:
+        order = np.lexsort((adapter, expert))
+        adapter, expert = adapter[order], expert[order]
+    _, _, _, ok = jnp_fold.resolve_pairs(route, jnp.asarray(adapter), jnp.asarray(expert))
+    l = np.zeros_like(adapter) if L == 1 else adapter
+    cell = (np.clip(l, 0, L - 1) * E + np.clip(expert, 0, E - 1)).astype(np.int32)
+    return jnp.asarray(adapter), jnp.asarray(expert), jnp.asarray(cell), ok
+
+
+def _rel(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+@pytest.mark.parametrize("sort", [True, False], ids=["sorted", "unsorted"])
+@pytest.mark.parametrize("L", [1, 3])
+def test_grouped_equals_dense_formulation(rng, sort, L):
+    route = make_route(rng, P=11, R=8, K=24, N=16, L=L, E=5)
+    M = 70
+    _, _, cell, ok = _rows(rng, route, M, sort=sort)
+    x = jnp.asarray(rng.normal(size=(40, route.k_in)), jnp.float32)
+    xi = jnp.asarray(rng.integers(0, 40, M), jnp.int32)
+    g = jnp.asarray(rng.normal(size=(M, route.n_out)), jnp.float32)
+    want = autodiff.fold_rows_vjp(x, route, g, xi, cell, ok, mode="dense")
+    got = jax.jit(lambda *a: autodiff.fold_rows_vjp(*a, mode="grouped"))(x, route, g, xi, cell, ok)
+    for name, a, b in zip(("dx", "d_a_pool", "d_b_pool", "d_scale"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert np.abs(np.asarray(b)).max() > 0, f"{name} is zero: the test could not fail"
+        assert _rel(a, b) <= 1e-5, f"{name}: {_rel(a, b):.3g}"
+
+
+@pytest.mark.parametrize("sort", [True, False], ids=["sorted", "unsorted"])
+def test_lora_grads_takes_rows_in_any_order(rng, sort):
+    """``lora_grads`` on rows in the caller's order (dx in that order) equals
+    the grouped backward of the same rows sorted by hand."""
+    route = make_route(rng, P=9, R=8, K=16, N=24, L=2, E=4)
+    M = 50
+    adapter, expert, _, ok = _rows(rng, route, M, sort=sort)
+    key = grouped_vjp.cell_keys(2, 4, adapter, expert, ok)
+    x = jnp.asarray(rng.normal(size=(M, 16)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(M, 24)), jnp.float32)
+    acc = jnp.asarray(rng.normal(size=(M, 16)), jnp.float32)
+    m = grouped_vjp.member(route, g)
+    dx, (grads,) = jax.jit(
+        lambda x, m, k, a: grouped_vjp.lora_grads(x, [m], k, impl="jnp", acc=a))(x, m, key, acc)
+    order = np.argsort(np.asarray(key), kind="stable")
+    m_sorted = grouped_vjp.member(route, g[order])
+    dx_s, (grads_s,) = grouped_vjp.lora_grads_sorted(x[order], [m_sorted], key[order],
+                                                     impl="jnp", acc=acc[order])
+    np.testing.assert_allclose(np.asarray(dx)[order], np.asarray(dx_s), rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads, grads_s):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    # rows that fold nothing keep acc
+    skipped = np.asarray(key) == 2 * 4
+    assert skipped.any()
+    np.testing.assert_array_equal(np.asarray(dx)[skipped], np.asarray(acc)[skipped])
+
+
+def test_stacked_members_equal_separate_calls(rng):
+    """Gate and up from one stacked pool (two planes, one call of each
+    grouped matmul) equal two single-projection backwards."""
+    r0 = make_route(rng, P=9, R=8, K=16, N=24, L=2, E=4)
+    r1 = make_route(rng, P=9, R=8, K=16, N=24, L=2, E=4)
+    st = stack_routes(r0, r1)
+    M = 60
+    adapter, expert, _, ok = _rows(rng, r0, M, sort=True)
+    key = grouped_vjp.cell_keys(2, 4, adapter, expert, ok)
+    x = jnp.asarray(rng.normal(size=(M, 16)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(2, M, 24)), jnp.float32)
+    pools = (st.a_pool, st.b_pool)
+    members = [grouped_vjp.member(st.route(s), g, plane=s, g_plane=s, pools=pools)
+               for s in range(2)]
+    dx, grads = grouped_vjp.lora_grads_sorted(x, members, key, impl="jnp")
+    want_dx = 0.0
+    for s, r in enumerate((r0, r1)):
+        d, (gr,) = grouped_vjp.lora_grads_sorted(x, [grouped_vjp.member(r, g[s])], key,
+                                                 impl="jnp")
+        want_dx = want_dx + np.asarray(d, np.float64)
+        for a, b in zip(grads[s], gr):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-5, atol=1e-5)
+
+
+@GPU
+@pytest.mark.parametrize("sort", [True, False], ids=["sorted", "unsorted"])
+def test_kernels_match_the_jnp_form(rng, sort):
+    """bf16 on the CUDA kernels against the same formulation in jnp: equal
+    within bf16 error, the pool and scale cotangents the same bits on a
+    second run."""
+    dt = jnp.bfloat16
+    route = make_route(rng, P=33, R=16, K=256, N=128, L=4, E=8, dtype=dt)
+    # every cell its own slot (the layout whose pool gradients are deterministic)
+    cells = (1 + np.arange(4)[:, None] * 8 + np.arange(8)[None, :]).astype(np.int32)
+    cells[rng.random(cells.shape) < 0.2] = 0
+    route = route.replace(a_table=jnp.asarray(cells), b_table=jnp.asarray(cells))
+    M = 1500
+    adapter, expert, _, ok = _rows(rng, route, M, sort=sort)
+    key = grouped_vjp.cell_keys(4, 8, adapter, expert, ok)
+    x = jnp.asarray(rng.normal(size=(M, 256)), dt)
+    g = jnp.asarray(rng.normal(size=(M, 128)), dt)
+    run = jax.jit(lambda x, m, k, impl: grouped_vjp.lora_grads(x, [m], k, impl=impl),
+                  static_argnums=3)
+    m = grouped_vjp.member(route, g)
+    dx, (grads,) = run(x, m, key, "fast")
+    dx_j, (grads_j,) = run(x, m, key, "jnp")
+    assert _rel(dx, dx_j) <= 1e-2
+    for a, b in zip(grads, grads_j):
+        assert _rel(a, b) <= 1e-2
+    dx2, (grads2,) = run(x, m, key, "fast")
+    np.testing.assert_array_equal(np.asarray(dx2).view(np.uint16), np.asarray(dx).view(np.uint16))
+    for a, b in zip(grads, grads2):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert gm.kernel_usable(dt, 256, 128, 16)
