@@ -683,3 +683,118 @@ def test_fast_in_cuda_graphs_matches_graphs_off(tmp_path):
     as_bf16 = lambda v: np.asarray(v).view(jnp.bfloat16).astype(np.float64)  # noqa: E731
     assert _rel(as_bf16(on), as_bf16(graph_program(seed, "jnp"))) <= 3 * GEMM_RTOL[
         jnp.dtype(jnp.bfloat16)]
+
+
+# ------------------------------------------------------------------ backward on the kernels
+
+def _train_case(rng, *, sort_by_adapter: bool, E: int = 8, K: int = 64, N: int = 48,
+                T: int = 96, top_k: int = 2, L: int = 4):
+    """bf16 gate/up pair, tokens routed to ``top_k`` experts, rows sorted by
+    expert (and by adapter within an expert when ``sort_by_adapter``)."""
+    dt = jnp.bfloat16
+    topk = np.stack([rng.permutation(E)[:top_k] for _ in range(T)]).astype(np.int32)
+    ra = rng.integers(-1, L, T).astype(np.int32)
+    if sort_by_adapter:
+        _, offsets, stids = ml.sort_rows_by_expert(jnp.asarray(topk), E, jnp.asarray(ra), L)
+    else:
+        _, offsets, stids = ml.sort_rows_by_expert(jnp.asarray(topk), E)
+    gs = jnp.diff(offsets).astype(jnp.int32)
+    x = jnp.asarray(rng.normal(size=(T, K)), dt)
+    ws = tuple(jnp.asarray(rng.normal(0, K ** -0.5, (E, K, N)), dt) for _ in range(2))
+    routes = tuple(to_device(make_route(rng, dtype=dt, num_loras=L, n_experts=E, k_in=K,
+                                        n_out=N, ranks=(8, 16), max_rank=16, poison=False))
+                   for _ in range(2))
+    return x, ws, gs, stids, jnp.asarray(ra), routes
+
+
+def _mlp_grads(impl, x, ws, gs, stids, ra, routes, cot):
+    """Gradients of ``sum(glu(gate, up) * cot)`` w.r.t. ``x``, the weights and
+    each route's ``(a_pool, b_pool, scale_table)``."""
+    def loss(x, ws, pools):
+        lora = tuple(r.replace(a_pool=a, b_pool=b, scale_table=s)
+                     for r, (a, b, s) in zip(routes, pools))
+        h = ml.expert_matmul(x, ws, gs, lora=lora, row_adapter=ra, sorted_token_ids=stids,
+                             x_gather=1, glu=True, impl=impl, gather_max_rows=0)
+        return jnp.sum(h.astype(jnp.float32) * cot)
+    pools = tuple((r.a_pool, r.b_pool, r.scale_table) for r in routes)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, ws, pools)
+
+
+@GPU
+@pytest.mark.parametrize("sort_by_adapter", [True, False], ids=["by_adapter", "by_expert"])
+def test_kernel_backward_matches_the_ragged_backward(rng, sort_by_adapter):
+    """bf16 gate/up with the GLU and 4 adapters: the backward on the grouped
+    GEMM kernels (dx with the weights read transposed, dw, the folds' pools
+    and scales) equals the fp32 ``ragged_dot`` backward within bf16 error."""
+    x, ws, gs, stids, ra, routes = _train_case(rng, sort_by_adapter=sort_by_adapter)
+    cot = jnp.asarray(rng.normal(size=(stids.shape[0], ws[0].shape[2])), jnp.float32)
+    got = _mlp_grads("fast", x, ws, gs, stids, ra, routes, cot)
+    want = _mlp_grads("jnp", x, ws, gs, stids, ra, routes, cot)
+    pairs = [("x", got[0], want[0])] + [(f"w{i}", got[1][i], want[1][i]) for i in range(2)]
+    for i in range(2):
+        for j, name in enumerate(("a_pool", "b_pool", "scale_table")):
+            pairs.append((f"{name}{i}", got[2][i][j], want[2][i][j]))
+    for name, g, w in pairs:
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert np.abs(np.asarray(w, np.float64)).max() > 0, f"d{name} is zero"
+        assert _rel(g, w) <= 2e-2, f"d{name}: {_rel(g, w):.3g}"
+
+
+@GPU
+def test_kernel_backward_of_frozen_weights_computes_no_dw(rng):
+    """Gradients w.r.t. the LoRA state only: the compiled backward has no
+    weight-shaped reduction, and its pool gradients are the same bits on a
+    second run."""
+    x, ws, gs, stids, ra, routes = _train_case(rng, sort_by_adapter=True)
+    cot = jnp.asarray(rng.normal(size=(stids.shape[0], ws[0].shape[2])), jnp.float32)
+
+    def loss(pools):
+        lora = tuple(r.replace(a_pool=a, b_pool=b, scale_table=s)
+                     for r, (a, b, s) in zip(routes, pools))
+        h = ml.expert_matmul(x, ws, gs, lora=lora, row_adapter=ra, sorted_token_ids=stids,
+                             x_gather=1, glu=True, impl="fast", gather_max_rows=0)
+        return jnp.sum(h.astype(jnp.float32) * cot)
+
+    pools = tuple((r.a_pool, r.b_pool, r.scale_table) for r in routes)
+    grad = jax.jit(jax.grad(loss))
+    hlo = grad.lower(pools).compile().as_text()
+    E, K, N = ws[0].shape
+    assert "grouped_matmul" in hlo
+    assert f"f32[{E},{K},{N}]" not in hlo, "a dw reduction ran for frozen weights"
+    first, second = grad(pools), grad(pools)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("impl", ["jnp", "cpu", pytest.param("fast", marks=GPU)])
+def test_vmap_forward_and_backward(rng, impl):
+    """``jax.vmap`` over a batch of inputs equals a loop of single calls,
+    forward and backward (``x`` and the pools)."""
+    dtype = jnp.float32 if impl != "fast" else jnp.bfloat16
+    case = make_case(rng, dtype=dtype, num_loras=2, x_gather=1, poison=False)
+    with on_platform(impl):
+        x, w, gs, stids, ra = to_device((case.x, case.ws[0], case.group_sizes,
+                                         case.sorted_token_ids, case.row_adapter))
+        route = to_device(case.routes[0])
+        xb = jnp.stack([x, 0.5 * x])
+
+        def f(x, pools):
+            r = route.replace(a_pool=pools[0], b_pool=pools[1])
+            return ml.expert_matmul(x, w, gs, lora=r, row_adapter=ra, sorted_token_ids=stids,
+                                    x_gather=1, impl=impl)
+
+        def grads(x, pools):
+            return jax.grad(lambda x, p: jnp.sum(f(x, p).astype(jnp.float32) ** 2),
+                            argnums=(0, 1))(x, pools)
+
+        pools = (route.a_pool, route.b_pool)
+        out = jax.jit(jax.vmap(f, in_axes=(0, None)))(xb, pools)
+        batched = jax.jit(jax.vmap(grads, in_axes=(0, None)))(xb, pools)
+        # f32: the same sums (cuBLAS may pick another algorithm for a batch);
+        # bf16: x's gradient adds a token's rows in an order XLA does not fix
+        tol = (1e-6, 1e-5) if dtype == jnp.float32 else (1e-6, 1e-2)
+        for i in range(2):
+            assert _rel(out[i], jax.jit(f)(xb[i], pools)) <= tol[0]
+            one = jax.jit(grads)(xb[i], pools)
+            for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(batched)):
+                assert _rel(b[i], a) <= tol[1]

@@ -43,9 +43,11 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from jax_moelora import _ext
-from jax_moelora.ops import autodiff, expert_matmul_ffi, jnp_fold, launch
+from jax_moelora.ops import autodiff, batching, expert_matmul_ffi, grouped_vjp, jnp_fold, launch
+from jax_moelora.ops import grouped_matmul as gm
 from jax_moelora.ops.folds import gather_rows_limit, resolve_impl
 from jax_moelora.ops.jnp_fold import rounded
 from jax_moelora.tables import FLOAT_DTYPES, MoeExpertRoute
@@ -185,6 +187,10 @@ def _ragged(xs, w, offsets):
     return rounded(acc, xs.dtype)
 
 
+# ragged_dot batches over a leading group axis only: under vmap, one element at a time
+_ragged_seq = batching.sequential(_ragged)
+
+
 def _fold(impl: str, xs, base, offsets, stids, route, ra):
     if route is None:
         return base
@@ -234,7 +240,7 @@ def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra):
         bases = expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, (None,) * len(ws),
                                                     None, cfg.pdl, cfg.schedule)
     else:
-        bases = [_ragged(xs, w, offsets) for w in ws]
+        bases = [_ragged_seq(xs, w, offsets) for w in ws]
     fold_impl = "cpu" if cfg.impl == "cpu" else ("fast" if cfg.impl == "fast" else "jnp")
     if not gather:
         return jnp.stack([_fold(fold_impl, xs, b, offsets, stids, r, ra)
@@ -246,6 +252,90 @@ def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra):
                       for b, r in zip(bases, routes)])
 
 
+def _route_ct(route: MoeExpertRoute, grads: grouped_vjp.ProjectionGrads) -> MoeExpertRoute:
+    E, L = route.n_experts, route.max_loras
+    return autodiff.route_cotangent(route, grads.d_a_pool.astype(route.dtype),
+                                    grads.d_b_pool.astype(route.dtype),
+                                    grads.d_scale.reshape(E, L).T)
+
+
+def _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra):
+    """dx of the folds (or None without LoRA) and the routes' cotangents, by
+    the grouped matmuls of ``ops/grouped_vjp.py`` over (adapter, expert)
+    cells: gate and up together where their tables have one shape."""
+    M = xs.shape[0]
+    live = [i for i, r in enumerate(routes) if r is not None]
+    droutes: list = [None] * len(routes)
+    dx = None
+    if not live:
+        return dx, droutes
+    shapes: dict = {}
+    for i in live:  # routes whose tables share (L, E_t) share the rows' cells
+        shapes.setdefault((routes[i].max_loras, routes[i].n_experts), []).append(i)
+    expert, _, adapter, ok = jnp_fold.grouped_rows(offsets, stids, ra, x_rows=M, row_offset=0,
+                                                   row_end=M, x_gather=0)
+    for (L, Et), idx in shapes.items():
+        key = grouped_vjp.cell_keys(L, Et, adapter, expert, ok)
+        members = [grouped_vjp.member(routes[i], gs, g_plane=i) for i in idx]
+        dx, grads = grouped_vjp.lora_grads(xs, members, key, impl="fast", acc=dx)
+        for i, gr in zip(idx, grads):
+            droutes[i] = _route_ct(routes[i], gr)
+    return dx, droutes
+
+
+def _bwd_kernel(args, gs, need_x: bool, need_w: bool):
+    """The backward on the grouped-GEMM kernels: ``dx = sum_i g_i w_i^T`` (the
+    weights read transposed in place) plus the folds' ``dx``; ``dw_i[e] =
+    xs_e^T g_i`` only when the weights are differentiated."""
+    xs, ws, offsets, stids, routes, ra = args
+    dx, droutes = _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra)
+    if need_x:
+        for i, w in enumerate(ws):
+            dx = gm.gmm([gm.GmmSet(gs, w, offsets, None, i, 0)], transpose_rhs=True,
+                        acc=None if dx is None else [dx], impl="fast")[0]
+    dws = None
+    if need_w:
+        sets = [gm.TgmmSet(xs, gs, offsets, 0, i) for i in range(len(ws))]
+        dws = tuple(d.astype(w.dtype) for d, w in zip(gm.tgmm(sets, impl="fast"), ws))
+    return (dx if need_x else None), dws, droutes
+
+
+def _bwd_ragged(cfg: _Cfg, args, gs):
+    """The backward of every other backend: the GEMM through ``ragged_dot``'s
+    transposes in fp32, the folds through their VJP (``ops/autodiff.py``)."""
+    xs, ws, offsets, stids, routes, ra = args
+    ra_ = ra if cfg.has_ra else None
+    dxs = jnp.zeros(xs.shape, _F32)
+    dws, droutes = [], []
+    for w, r, g in zip(ws, routes, gs):  # gs [len(ws), M, N]: one plane a weight set
+        dx_g, dw = _ragged_vjp(xs, w, offsets, g)
+        dxs = dxs + dx_g
+        dws.append(dw.astype(w.dtype))
+        if r is None:
+            droutes.append(None)
+            continue
+        # The fold's VJP (its forward is dead code here and is removed by XLA).
+        fold = lambda x_, r_: _fold("jnp", x_, jnp.zeros(g.shape, g.dtype), offsets,  # noqa: E731
+                                    stids, r_, ra_)
+        _, vjp_f = jax.vjp(fold, xs, r)
+        dx_f, dr = vjp_f(g)
+        dxs = dxs + dx_f.astype(_F32)
+        droutes.append(dr)
+    return dxs.astype(xs.dtype), tuple(dws), droutes
+
+
+def _is_primal(p) -> bool:
+    return hasattr(p, "perturbed")
+
+
+def _values(primals):
+    return jax.tree_util.tree_map(lambda p: p.value, primals, is_leaf=_is_primal)
+
+
+def _perturbed(primals) -> bool:
+    return any(p.perturbed for p in jax.tree_util.tree_leaves(primals, is_leaf=_is_primal))
+
+
 @functools.cache
 def _op(cfg: _Cfg):
     @jax.custom_vjp
@@ -253,38 +343,39 @@ def _op(cfg: _Cfg):
         return _forward(cfg, xs, ws, offsets, stids, routes, ra)
 
     def fwd(xs, ws, offsets, stids, routes, ra):
-        return op(xs, ws, offsets, stids, routes, ra), (xs, ws, offsets, stids, routes, ra)
+        args = _values((xs, ws, offsets, stids, routes, ra))
+        # which operands are differentiated, kept as the residuals' (static) structure
+        need = tuple(() if _perturbed(p) else None for p in (xs, ws))
+        return _forward(cfg, *args), (args, need)
 
     def bwd(res, gs):
-        xs, ws, offsets, stids, routes, ra = res
-        ra_ = ra if cfg.has_ra else None
-        dxs = jnp.zeros(xs.shape, _F32)
-        dws, droutes = [], []
-        for w, r, g in zip(ws, routes, gs):  # gs [len(ws), M, N]: one plane a weight set
-            gemm = functools.partial(_ragged_f32, offsets=offsets)
-            _, vjp = jax.vjp(gemm, xs, w)
-            dx_g, dw = vjp(g.astype(_F32))
-            dxs = dxs + dx_g.astype(_F32)
-            dws.append(dw.astype(w.dtype))
-            if r is None:
-                droutes.append(None)
-                continue
-            # The fold's VJP (its forward is dead code here and is removed by XLA).
-            fold = lambda x_, r_: _fold("jnp", x_, jnp.zeros(g.shape, g.dtype), offsets,  # noqa: E731
-                                        stids, r_, ra_)
-            _, vjp_f = jax.vjp(fold, xs, r)
-            dx_f, dr = vjp_f(g)
-            dxs = dxs + dx_f.astype(_F32)
-            droutes.append(dr)
-        return dxs.astype(xs.dtype), tuple(dws), None, None, tuple(droutes), None
+        args, (need_x, need_w) = res
+        xs, ws = args[0], args[1]
+        if isinstance(gs, SymbolicZero):
+            gs = jnp.zeros(gs.shape, gs.dtype)
+        if cfg.impl == "fast" and uses_kernel(xs.dtype, ws[0].shape[1], ws[0].shape[2]):
+            dx, dws, droutes = _bwd_kernel(args, gs, need_x is not None, need_w is not None)
+        else:
+            dx, dws, droutes = _bwd_ragged(cfg, args, gs)
+        return (dx if need_x is not None else None, dws if need_w is not None else None,
+                None, None, tuple(droutes), None)
 
-    op.defvjp(fwd, bwd)
+    op.defvjp(fwd, bwd, symbolic_zeros=True)
     return op
 
 
-def _ragged_f32(xs, w, *, offsets):
-    """``ragged_dot`` in fp32 (the differentiable form of the base GEMM)."""
-    return jax.lax.ragged_dot(xs.astype(_F32), w.astype(_F32), jnp.diff(offsets), precision=_HI)
+def _ragged_f32_vjp(xs, w, offsets, g):
+    """``(dx, dw)``, f32, of ``ragged_dot(xs, w)`` in fp32 for the cotangent ``g``."""
+    def gemm(x_, w_):
+        return jax.lax.ragged_dot(x_.astype(_F32), w_.astype(_F32), jnp.diff(offsets),
+                                  precision=_HI)
+    _, vjp = jax.vjp(gemm, xs, w)
+    dx, dw = vjp(g.astype(_F32))
+    return dx.astype(_F32), dw
+
+
+# ragged_dot batches over a leading group axis only: under vmap, one element at a time
+_ragged_vjp = batching.sequential(_ragged_f32_vjp)
 
 
 # ---- public op ---------------------------------------------------------------------------------
