@@ -8,7 +8,7 @@
 # The machine has no network: the CUTLASS headers of expert_matmul come from
 # the nvidia-cutlass wheel in .whl/ (`pip download --no-deps "nvidia-cutlass==4.2.*"
 # -d .whl` here first); without it that kernel is not built.
-#   env: STEPS="build readme bench bench2 gemm timing suite soak fuzz memcheck racecheck initcheck synccheck sanall sanruns ncu scaling"
+#   env: STEPS="build readme bench bench2 gemm train peer timing suite soak fuzz memcheck racecheck initcheck synccheck sanall sanruns ncu scaling"
 #        (soak: the 10,000-step soak with its counts printed; fuzz: the GPU
 #        differential fuzzing with FUZZ examples per test, default 100, on FUZZ_N
 #        workers within FUZZ_S seconds; sanall: SANALL_TOOLS, default "memcheck
@@ -43,6 +43,8 @@
 #        KERNELS=<ncu name regex>  NCU_ARGS="<bench args of the ncu step>"  NCU2_ARGS="<a second one>"
 #        NCU_LAUNCHES=<launches profiled per ncu run, default 2>
 #        CMDBUF_FLAGS="<XLA_FLAGS of the cmdbuf step's second runs>"  GEMM="<bench --gemm args>"  GEMM_S=<its timeout, 240>
+#        TRAIN="<bench --train args>"  TRAIN_S=<its timeout, 240>  (train: the training benchmark)
+#        PEER="<scripts/peft_train_peer.py args>"  PEER_S=<its timeout, 150>  (peer: transformers + peft, same GPU)
 #        (timing: the decode timing, then `demo --timing --prefill`, T = 4096, base and
 #        4 adapters with ragged_dot and expert_matmul as the grouped GEMM, into
 #        timing_prefill.json/.log; PREFILL="<its extra demo args>", PREFILL_S=<its timeout, 0 skips it>;
@@ -92,6 +94,13 @@ if has bench2 && [ -n "${BENCH2:-}" ]; then
 fi
 if has gemm; then
   step gemm; timeout "${GEMM_S:-240}" python3 -m jax_moelora bench --gemm ${GEMM:---models qwen} --out "$R/gemm" > "$R/gemm.log" 2>&1; step "gemm rc=$?"
+fi
+if has train; then
+  step train; timeout "${TRAIN_S:-240}" python3 -m jax_moelora bench --train ${TRAIN:---quick} --out "$R/train" > "$R/train.log" 2>&1; step "train rc=$?"
+fi
+if has peer; then
+  step peer; timeout "${PEER_S:-150}" python3 scripts/peft_train_peer.py ${PEER:---models qwen --tokens 512,4096 --rank 16} \
+    --json "$R/peer.json" > "$R/peer.log" 2>&1; step "peer rc=$?"
 fi
 if has timing; then
   step timing; timeout 90 python3 -m jax_moelora demo --timing --repeats 10 ${TIMING:-} --json "$R/timing.json" > "$R/timing.log" 2>&1; step "timing rc=$?"
