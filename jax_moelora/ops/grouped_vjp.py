@@ -46,7 +46,6 @@ import jax
 import jax.numpy as jnp
 
 from jax_moelora.ops import grouped_matmul as gm
-from jax_moelora.ops.jnp_fold import rounded
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["Member", "member", "cell_keys", "lora_grads", "lora_grads_sorted", "ProjectionGrads"]
