@@ -24,8 +24,9 @@
 Train LoRA weights with ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``, or
 ``nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))``, or ``nnx.split(model,
 nnx.LoRAParam, ...)`` and ``jax.grad`` w.r.t. the LoRA state: every fold backend
-is differentiable (a custom VJP whose backward is traced ``jnp``,
-``ops/autodiff.py``); base weights and adapter tables are outside the filter.
+is differentiable (custom VJPs, ``ops/autodiff.py``; on a Hopper GPU the
+backward runs on grouped GEMM kernels); base weights and adapter tables are
+outside the filter.
 Tokens of several adapters train in one batch, each adapter on its own tokens
 (``python -m jax_moelora train``).
 """

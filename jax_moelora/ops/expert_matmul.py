@@ -29,9 +29,15 @@ call, then the gather fold's; ``gather_max_rows=None`` takes
 (adapter, expert) cell.
 
 Gradients (``jax.grad`` w.r.t. ``x``, ``w`` and the LoRA pools and scales)
-come from one ``custom_vjp`` shared by every backend: the GEMM's through
-``ragged_dot``'s transposes, the fold's through the fold VJP
-(``ops/autodiff.py``), with the roundings treated as the identity.
+come from one ``custom_vjp``, with the roundings treated as the identity.
+Where the CUTLASS kernel runs the forward, the backward runs on the grouped
+GEMMs of ``ops/grouped_matmul.py`` (docs/design.md, "Backward"): ``dx = g
+w[e]^T`` with the weights read transposed in place, the folds' terms over
+the rows' (adapter, expert) cells (``ops/grouped_vjp.py``), ``dw[e] =
+xs_e^T g_e`` only when ``w`` is differentiated. Every other backend takes
+``ragged_dot``'s transposes in fp32 and the fold VJP (``ops/autodiff.py``).
+``jax.vmap`` batches every backend (the custom calls and ``ragged_dot`` one
+element at a time).
 """
 
 from __future__ import annotations
