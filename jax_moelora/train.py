@@ -199,8 +199,8 @@ class TrainResult:
     end: list[float]
     curve: list[tuple[int, float]]  # (step, training loss)
     train_s: float  # wall time of the steps, compile included
-    compile_s: float
-    eval_batch: tuple[Any, Any, Any] = ()  # (x, ids, target) of the eval losses
+    compile_s: float  # of the first step
+    eval_batch: tuple[Any, Any, Any]  # (x, ids, target) of the eval losses
 
 
 def _progress(console) -> Any:
@@ -214,7 +214,10 @@ def _progress(console) -> Any:
 
 def train(cfg: TrainConfig, console, *, log_every: int = 10) -> TrainResult:
     """Train the student's two adapters on the teacher task for ``cfg.steps``
-    steps with a progress bar; evaluate on a fixed batch before and after."""
+    steps with a progress bar (the loss fetched every ``log_every`` steps);
+    evaluate on a fixed held-out batch before and after. The steps donate the
+    LoRA and optimizer buffers; the student gets the trained LoRA state at
+    the end."""
     student = build_student(cfg)
     teacher = build_teacher(student, cfg)
     t_graph, t_state = nnx.split(teacher)
@@ -479,7 +482,7 @@ def _summary(console, cfg: TrainConfig, result: TrainResult, rows, peer, why) ->
         table.add_row(f"  {name}", f"{result.start[s + 1]:.5g} -> {result.end[s + 1]:.5g}")
     steps_s = (result.train_s - result.compile_s) / max(cfg.steps - 1, 1)
     table.add_row("time", f"{result.train_s:.1f} s ({result.compile_s:.1f} s compile, then "
-                          f"{steps_s * 1e3:.2f} ms a step)")
+                          f"{steps_s * 1e3:.2f} ms a step, the teacher's batch included)")
     for row in rows:
         table.add_row(f"PEFT {row['name']}", f"{row['path']}: {', '.join(row['files'])}")
         table.add_row("  read back", f"delta error {row['roundtrip_error']:.1e}, outputs "
