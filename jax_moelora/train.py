@@ -474,8 +474,8 @@ def _summary(console, cfg: TrainConfig, result: TrainResult, rows, peer, why) ->
     table.add_row("model", f"{cfg.layers} x {cfg.family} MoE layer: E {cfg.experts}, top_k "
                            f"{cfg.top_k}, hidden {cfg.hidden}, inter {cfg.inter}, {cfg.dtype}")
     table.add_row("training", f"{cfg.steps} steps of {cfg.tokens} tokens (2 adapters), rank "
-                              f"{cfg.rank}, alpha {cfg.alpha:g}, adam lr {cfg.lr:g} (cosine decay), impl "
-                              f"{cfg.impl} on {device_name()}")
+                              f"{cfg.rank}, alpha {cfg.alpha:g}, adam lr {cfg.lr:g} (cosine "
+                              f"decay), impl {cfg.impl} on {device_name()}")
     table.add_row("loss (held-out batch)", f"{result.start[0]:.5g} -> {result.end[0]:.5g} "
                                            f"(x{result.end[0] / result.start[0]:.3g})")
     for s, name in enumerate(ADAPTER_NAMES):
