@@ -324,8 +324,7 @@ def _write_and_load(folder: Path, cfg: ModelConfig, seed: int):
         factors = _random_factors(rng, cfg, r, down_r, projections,
                                   shared_a=layout != "experts")
         path = save_peft_adapter(folder / name, factors, r=r, lora_alpha=alpha, layout=layout,
-                                 use_rslora=rslora, rank_pattern=pattern,
-                                 gate_up_split=family.gate_up_split,
+                                 use_rslora=rslora, rank_pattern=pattern, family=family,
                                  base_model_name_or_path=f"demo/{cfg.family}-shaped")
         adapter = load_peft_adapter(path, num_experts=cfg.experts, hidden_size=cfg.hidden,
                                     intermediate_size=cfg.inter,

@@ -190,3 +190,36 @@ def test_vmapped_route_keeps_out_of_range_cells_unfolded():
     out = jax.vmap(fn)(x, base, _stack(routes))
     np.testing.assert_array_equal(out[:, 1:], base[:, 1:])
     assert not np.array_equal(out[:, 0], base[:, 0])
+
+
+@pytest.mark.parametrize("expert_gemm", ["ragged_dot", "expert_matmul"])
+def test_vmap_of_the_block_on_the_ragged_path(expert_gemm):
+    """``MoEBlock(expert_path="ragged")`` (grouped GEMMs on sorted rows) under
+    ``vmap`` over examples equals a loop, forward and gradients w.r.t. the
+    LoRA state and x (``ragged_dot`` and ``expert_matmul`` run one element at
+    a time)."""
+    from flax import nnx
+
+    from jax_moelora.nnx import MoEBlock
+
+    block = MoEBlock(32, 16, num_experts=4, top_k=2, family="qwen3", max_loras=2, max_rank=8,
+                     expert_path="ragged", expert_gemm=expert_gemm, rngs=nnx.Rngs(0))
+    for slot in range(2):
+        block.lora.init_adapter(slot, rngs=nnx.Rngs(slot + 5), rank=8, alpha=16)
+        block.lora.gate.b_pool[...] = jax.random.normal(jax.random.key(slot),
+                                                       block.lora.gate.b_pool.shape) * 0.1
+    g, lora, rest = nnx.split(block, nnx.LoRAParam, ...)
+    x = jax.random.normal(jax.random.key(1), (B, 12, 32))
+    ids = jax.random.randint(jax.random.key(2), (B, 12), -1, 2)
+
+    def loss(lora, x, ids):
+        return jnp.sum(nnx.merge(g, lora, rest)(x, ids) ** 2)
+
+    grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(None, 0, 0)))(lora, x, ids)
+    ys = jax.jit(jax.vmap(lambda x, ids: nnx.merge(g, lora, rest)(x, ids)))(x, ids)
+    for b in range(B):
+        one = jax.jit(jax.grad(loss, argnums=(0, 1)))(lora, x[b], ids[b])
+        np.testing.assert_allclose(ys[b], jax.jit(lambda x, i: nnx.merge(g, lora, rest)(x, i))(
+            x[b], ids[b]), rtol=1e-5, atol=1e-6)
+        for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(one)):
+            np.testing.assert_allclose(got[b], want, rtol=1e-4, atol=1e-5)

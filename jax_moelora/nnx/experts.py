@@ -34,6 +34,7 @@ from flax import nnx
 from jax_moelora import _ext
 from jax_moelora.nnx.families import GptOss
 from jax_moelora.ops.expert_matmul import expert_matmul as _library_expert_matmul
+from jax_moelora.ops.batching import ragged_dot
 from jax_moelora.ops.expert_matmul import uses_kernel
 from jax_moelora.ops.folds import RowPlan, plan_rows
 from jax_moelora.ops.take_rows import take_rows
@@ -143,7 +144,7 @@ def grouped_gemm_runs_kernel(dtype: Any, k: int, n: int) -> bool:
 
 
 def _ragged_dot(xs: Array, ws: tuple[Array, ...], sizes: Array, stacked: bool):
-    outs = tuple(jax.lax.ragged_dot(xs, w, sizes) for w in ws)
+    outs = tuple(ragged_dot(xs, w, sizes) for w in ws)  # jax.lax.ragged_dot, vmappable
     return jnp.stack(outs) if stacked else outs
 
 

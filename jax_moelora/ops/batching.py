@@ -43,7 +43,7 @@ from jax_moelora.ops.contract import offsets_well_formed
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["GatherCfg", "GroupedCfg", "gather_op", "grouped_op", "match_varying", "varying_axes",
-           "virtual_ids", "sequential", "map_batch"]
+           "virtual_ids", "sequential", "map_batch", "ragged_dot"]
 
 
 class GatherCfg(NamedTuple):
@@ -300,3 +300,34 @@ def sequential(fn):
         return map_batch(op, in_batched, *args)
 
     return op
+
+
+def _ragged_dot_vjp(lhs, rhs, group_sizes, g):
+    _, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, group_sizes), lhs, rhs)
+    return vjp(g)
+
+
+_ragged_dot_seq = sequential(jax.lax.ragged_dot)
+_ragged_dot_vjp_seq = sequential(_ragged_dot_vjp)
+
+
+@jax.custom_vjp
+def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``jax.lax.ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])`` (XLA's
+    default precision, ``lhs``' dtype) that ``jax.vmap`` batches along any
+    axis, forward and backward: a batch runs one element at a time, where
+    ``ragged_dot``'s own rule batches a leading group axis only."""
+    return _ragged_dot_seq(lhs, rhs, group_sizes)
+
+
+def _ragged_dot_fwd(lhs, rhs, group_sizes):
+    return _ragged_dot_seq(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+
+def _ragged_dot_bwd(res, g):
+    lhs, rhs, group_sizes = res
+    dl, dr = _ragged_dot_vjp_seq(lhs, rhs, group_sizes, g)
+    return dl, dr, None
+
+
+ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
