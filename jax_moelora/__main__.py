@@ -2,7 +2,7 @@
 
 ``info`` needs only the core install; ``demo`` and ``train`` need the ``nnx``,
 ``peft`` and ``bench`` extras, ``bench`` the ``bench`` extra (``pip install
-'jax_moelora[all]'``).
+'jax_moelora[all]'``). The commands live in ``jax_moelora.tools``.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from types import ModuleType
 
 
 def _command_module(name: str) -> tuple[ModuleType | None, ImportError | None]:
-    """``jax_moelora.<name>``, or the ImportError (naming the extra) that importing it raised."""
+    """``jax_moelora.tools.<name>``, or the ImportError (naming the extra) that importing it
+    raised."""
     try:
-        return importlib.import_module(f"jax_moelora.{name}"), None
+        return importlib.import_module(f"jax_moelora.tools.{name}"), None
     except ImportError as err:
         return None, err
 

@@ -215,6 +215,6 @@ if has ncu; then  # the kernels matching KERNELS in the NCU_ARGS bench, then in 
   if [ -n "${NCU2_ARGS:-}" ]; then ncu_bench "$R/ncu2.log" $NCU2_ARGS; step "ncu2 rc=$?"; fi
 fi
 if has scaling && [ "$(nvidia-smi -L | wc -l)" -gt 1 ]; then
-  step scaling; CUDA_VISIBLE_DEVICES=0,1 timeout 90 python3 -m jax_moelora.scaling --json "$R/scaling.json" > "$R/scaling.log" 2>&1; step "scaling rc=$?"
+  step scaling; CUDA_VISIBLE_DEVICES=0,1 timeout 90 python3 -m jax_moelora.tools.scaling --json "$R/scaling.json" > "$R/scaling.log" 2>&1; step "scaling rc=$?"
 fi
 step done

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_moelora import bench
-from jax_moelora import bench_cases as bc
-from jax_moelora import bench_methods as bm
+from jax_moelora.tools import bench
+from jax_moelora.tools import bench_cases as bc
+from jax_moelora.tools import bench_methods as bm
 
 TINY = "tiny:8:2:32:16"
 

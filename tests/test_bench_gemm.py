@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from jax_moelora import bench_gemm as bg
+from jax_moelora.tools import bench_gemm as bg
 from jax_moelora.__main__ import main
-from jax_moelora.bench_cases import parse_model
+from jax_moelora.tools.bench_cases import parse_model
 
 TINY = "tiny:8:2:32:16"
 

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_moelora import bench_train as bt
+from jax_moelora.tools import bench_train as bt
 from jax_moelora.__main__ import main
-from jax_moelora.bench_cases import parse_model
+from jax_moelora.tools.bench_cases import parse_model
 
 TINY = "tiny:8:2:32:16"
 
@@ -193,7 +193,7 @@ def argparse_namespace(**kw):
     """``bench``'s parsed options with ``kw`` replaced."""
     import argparse
 
-    from jax_moelora import bench
+    from jax_moelora.tools import bench
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from jax_moelora import demo
+from jax_moelora.tools import demo
 
 
 def run_demo(*argv: str) -> int:
@@ -121,7 +121,7 @@ def test_bad_options_exit():
 
 def test_cli_entry(capsys):
     main = pytest.importorskip("jax_moelora.__main__").main
-    pytest.importorskip("jax_moelora.bench")
+    pytest.importorskip("jax_moelora.tools.bench")
     with pytest.raises(SystemExit) as exited:
         main(["demo", "--help"])
     assert exited.value.code == 0

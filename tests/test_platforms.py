@@ -134,9 +134,9 @@ def test_core_import_and_info_need_no_extra():
 
 
 @pytest.mark.parametrize("module, extra", [("jax_moelora.nnx", "nnx"),
-                                           ("jax_moelora.bench", "bench"),
-                                           ("jax_moelora.bench_plot", "bench"),
-                                           ("jax_moelora.demo", "nnx")])
+                                           ("jax_moelora.tools.bench", "bench"),
+                                           ("jax_moelora.tools.bench_plot", "bench"),
+                                           ("jax_moelora.tools.demo", "nnx")])
 def test_missing_extra_names_it(module, extra):
     res = _run_without_extras(f"import {module}")
     assert res.returncode != 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jax_moelora.step_profile import LIBRARY_KERNEL_MARK, overhead_split
+from jax_moelora.tools.step_profile import LIBRARY_KERNEL_MARK, overhead_split
 
 
 def _profile(kernels: dict[str, float], span: float) -> dict:

@@ -26,7 +26,7 @@ from jax_moelora.nnx.lora import compact_rank
 from jax_moelora.nnx.reference import adapter_deltas, block_params
 from jax_moelora.nnx.weights import load_transformers_weights, transformers_weights
 from jax_moelora.peft import ProjectionLoRA, load_peft_adapter
-from jax_moelora.train import ADAPTER_NAMES, PEER_TOL
+from jax_moelora.tools.train import ADAPTER_NAMES, PEER_TOL
 
 H, I, E, RANK = 32, 16, 4, 4
 TINY = ["--layers", "1", "--hidden", str(H), "--inter", str(I), "--experts", str(E),
@@ -83,7 +83,7 @@ def test_trained_adapters_give_the_same_outputs_in_transformers_and_peft(tmp_pat
     transformers model (folder loaded by peft) on our layer's input."""
     for name in ("torch", "transformers", "peft"):
         pytest.importorskip(name)
-    from jax_moelora.transformers_peer import peer_missing
+    from jax_moelora.tools.transformers_peer import peer_missing
 
     if peer_missing():
         pytest.skip(peer_missing())
@@ -141,7 +141,7 @@ def test_a_saved_slot_reads_back_and_fits_the_pool_again(tmp_path, family):
     (routed and shared experts); an ``AdapterPool`` loads the folder into
     another slot of the same rank (gate and up with different A come back
     fused at rank 2 * RANK, and ``compact_rank`` fits them)."""
-    from jax_moelora.demo import DEMO_FAMILIES
+    from jax_moelora.tools.demo import DEMO_FAMILIES
 
     fam = DEMO_FAMILIES[family]
     stack = MoEStack(H, I, E, 2, 2, family=fam, max_loras=2, max_rank=RANK,

@@ -1,6 +1,6 @@
 """Multi-device scaling of the sharded folds: correctness and weak scaling.
 
-``python -m jax_moelora.scaling [--json PATH] [--small]`` on a machine with at
+``python -m jax_moelora.tools.scaling [--json PATH] [--small]`` on a machine with at
 least 2 devices (e.g. 2 H200s; ``impl="auto"``: the CUDA custom calls on a
 GPU). For each case it
 
@@ -251,7 +251,7 @@ def _print_row(r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jax_moelora.scaling", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m jax_moelora.tools.scaling", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the rows (and the environment) here")
     parser.add_argument("--small", action="store_true", help="small shapes (CPU smoke run)")

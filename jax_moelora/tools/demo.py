@@ -588,7 +588,7 @@ def _trace_kernels(console, label: str, fn, state, h, ids, calls: int, folder: P
     printed with its top kernels; returns the profile for the JSON, with
     ``"hlo"``: the path of the variant's optimized HLO (``program.hlo.txt`` in
     ``folder``), where the fusions the profile names are defined."""
-    from jax_moelora.step_profile import kernel_times
+    from jax_moelora.tools.step_profile import kernel_times
 
     prof = kernel_times(fn, state, h, ids, calls=calls, folder=folder)
     hlo = folder / "program.hlo.txt"
@@ -604,7 +604,7 @@ def _trace_kernels(console, label: str, fn, state, h, ids, calls: int, folder: P
 def _print_split(console, label: str, base: dict, lora: dict) -> dict | None:
     """Print and return ``step_profile.overhead_split`` of a traced variant
     against the traced base variant (``None`` when no GPU kernel was traced)."""
-    from jax_moelora.step_profile import overhead_split
+    from jax_moelora.tools.step_profile import overhead_split
 
     if not base["per_call_us"] or not lora["per_call_us"]:
         return None
@@ -804,7 +804,7 @@ def _run_prefill_timing(args, impl: str, console) -> int:
 
 
 def _main(argv: list[str] | None = None) -> int:  # pragma: no cover - convenience
-    parser = argparse.ArgumentParser(prog="python -m jax_moelora.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m jax_moelora.tools.demo", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -52,14 +52,14 @@ import jax.numpy as jnp
 from jax_moelora import _ext
 from jax_moelora._optional import needs_extra
 
-with needs_extra("bench", "jax_moelora.bench"):
+with needs_extra("bench", "jax_moelora.tools.bench"):
     from rich.console import Console
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn,
                                TextColumn, TimeElapsedColumn)
     from rich.table import Table
 
-from jax_moelora import bench_methods as bm
-from jax_moelora.bench_cases import (DECODE_MAX_TOKENS, DECODE_TOKENS, MODELS, PREFILL_TOKENS,
+from jax_moelora.tools import bench_methods as bm
+from jax_moelora.tools.bench_cases import (DECODE_MAX_TOKENS, DECODE_TOKENS, MODELS, PREFILL_TOKENS,
                                      PROJECTIONS, Case, case_grid, floor_bytes, make_inputs,
                                      make_routing, parse_model)
 
@@ -121,12 +121,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gemm", action="store_true",
                         help="benchmark the grouped expert GEMM (expert_matmul, with and without "
                              "LoRA, against lax.ragged_dot) instead of the folds; see "
-                             "jax_moelora/bench_gemm.py (projections gate_up and down)")
+                             "jax_moelora/tools/bench_gemm.py (projections gate_up and down)")
     parser.add_argument("--train", action="store_true",
                         help="benchmark training of the expert MLP and the MoEBlock instead of "
                              "the folds: forward, forward + backward w.r.t. the LoRA pools, their "
                              "ratio, %% of the flop and byte floors, peak memory; see "
-                             "jax_moelora/bench_train.py (--methods picks its programs, "
+                             "jax_moelora/tools/bench_train.py (--methods picks its programs, "
                              "--ragged-max-gib bounds its jnp check)")
     parser.add_argument("--quick", action="store_true",
                         help="a subset: Qwen gate/down, rank 16, 1 and 4 adapters, tokens "
@@ -302,7 +302,7 @@ def _trace_row(row: dict, loop, base: jax.Array, args: Any, s: Settings, case: C
     """``row["kernel_us"]``: GPU kernel time per fold in one traced run of
     ``loop`` (the copy of ``base_out`` that the run starts from included, 1 /
     ``reps`` of it), and ``row["kernels"]``: µs per fold of each kernel."""
-    from jax_moelora.step_profile import kernel_times
+    from jax_moelora.tools.step_profile import kernel_times
 
     slug = f"{case.label}-{method}".replace(" ", "_").replace("=", "").replace("@", "_")
     prof = kernel_times(lambda: loop(jnp.copy(base), args), calls=s.reps,
@@ -486,7 +486,7 @@ def write_outputs(rows: list[dict], meta: dict, out: Path, plot: bool = True) ->
                         f"{meta['reps']} folds x {meta['runs']} runs.\n\n"
                         + markdown_table(rows))
     if plot:
-        from jax_moelora.bench_plot import plot_rows
+        from jax_moelora.tools.bench_plot import plot_rows
 
         title = f"{meta['device']} ({_bandwidth_text(meta, short=True)})"
         paths.append(plot_rows(rows, out / "bench.png", title=title))
@@ -516,11 +516,11 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "gemm", False):
             console.print("[red]bench:[/] --train and --gemm are separate benchmarks")
             return 2
-        from jax_moelora import bench_train
+        from jax_moelora.tools import bench_train
 
         return bench_train.run(args)
     if getattr(args, "gemm", False):
-        from jax_moelora import bench_gemm
+        from jax_moelora.tools import bench_gemm
 
         return bench_gemm.run(args)
     if args.merge:

@@ -45,8 +45,8 @@ from rich.console import Console
 from rich.table import Table
 
 from jax_moelora import _ext
-from jax_moelora import bench_methods as bm
-from jax_moelora.bench_cases import MODELS, Model, make_routing, parse_model
+from jax_moelora.tools import bench_methods as bm
+from jax_moelora.tools.bench_cases import MODELS, Model, make_routing, parse_model
 from jax_moelora.ops.expert_matmul import EXPERT_MATMUL_SCHEDULES, expert_matmul
 from jax_moelora.tables import MoeExpertRoute
 
@@ -96,7 +96,7 @@ class GemmCase:
 
 def _routing_case(c: GemmCase):
     """The fold benchmark's routing of the same model and tokens."""
-    from jax_moelora.bench_cases import Case
+    from jax_moelora.tools.bench_cases import Case
     return Case(c.model, "gate", c.tokens, c.rank, c.adapters, c.seed)
 
 

@@ -46,7 +46,7 @@ from jax_moelora._optional import needs_extra
 with needs_extra("nnx", "python -m jax_moelora train"):
     import optax
     from flax import nnx
-from jax_moelora.demo import DEMO_FAMILIES, DTYPES, device_name, make_console, time_variants
+from jax_moelora.tools.demo import DEMO_FAMILIES, DTYPES, device_name, make_console, time_variants
 from jax_moelora.nnx import AdapterPool, MoEStack, save_adapter_slot, slot_adapter
 from jax_moelora.nnx.reference import adapter_deltas
 from jax_moelora.ops.folds import IMPLS, resolve_impl
@@ -323,7 +323,7 @@ def peer_errors(student: MoEStack, rows: list[dict[str, Any]], forward: Callable
     """Per adapter: every token on it, each MoE layer of the transformers +
     peft model (the adapter's folder loaded) on our layer's input; the max
     difference of the outputs relative to their max, over layers."""
-    from jax_moelora.transformers_peer import peft_block_outputs
+    from jax_moelora.tools.transformers_peer import peft_block_outputs
 
     _, lora, rest = nnx.split(student, nnx.LoRAParam, ...)
     errors = []
@@ -452,7 +452,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def _peer(result: TrainResult, rows: list[dict], forward: Callable, cfg: TrainConfig,
           console, skip: bool) -> tuple[list[float] | None, str]:
     """The transformers + peft comparison, or why it was skipped."""
-    from jax_moelora.transformers_peer import peer_missing
+    from jax_moelora.tools.transformers_peer import peer_missing
 
     why = "--no-transformers" if skip else peer_missing()
     if why is not None:

@@ -8,7 +8,7 @@ from typing import Sequence
 
 from jax_moelora._optional import needs_extra
 
-with needs_extra("bench", "jax_moelora.bench_plot"):
+with needs_extra("bench", "jax_moelora.tools.bench_plot"):
     import matplotlib
 
     matplotlib.use("Agg")

@@ -71,9 +71,9 @@ import numpy as np
 from rich.console import Console
 
 from jax_moelora import _ext
-from jax_moelora import bench_methods as bm
-from jax_moelora.bench_cases import MODELS, Case, Model, _draw, make_routing, parse_model
-from jax_moelora.bench_gemm import QUICK_CPU_MODEL, measure_matmul_rate
+from jax_moelora.tools import bench_methods as bm
+from jax_moelora.tools.bench_cases import MODELS, Case, Model, _draw, make_routing, parse_model
+from jax_moelora.tools.bench_gemm import QUICK_CPU_MODEL, measure_matmul_rate
 from jax_moelora.ops.expert_matmul import expert_matmul
 from jax_moelora.ops.folds import gather_rows_limit, sort_rows_by_expert
 from jax_moelora.tables import MoeExpertRoute

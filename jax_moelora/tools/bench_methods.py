@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moelora import _ext
-from jax_moelora.bench_cases import Case, CaseInputs
+from jax_moelora.tools.bench_cases import Case, CaseInputs
 from jax_moelora.ops import moe_lora_gather_bgmv, moe_lora_grouped_down
 from jax_moelora.ops.jnp_fold import grouped_rows, resolve_pairs
 
