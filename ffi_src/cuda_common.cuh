@@ -183,7 +183,7 @@ inline xla::ffi::Error cuda_dtype(xla::ffi::DataType t, DType* out) {
   }
 }
 
-// The tuned kernels (moe_lora_fast.cu). They fold exactly like the seed
+// The tuned kernels (ffi_src/fast/). They fold exactly like the seed
 // kernels (same skip rules, same roundings; summation order may differ).
 cudaError_t launch_gather_fast(const GatherArgs& args, cudaStream_t stream);
 cudaError_t launch_grouped_fast(const GroupedArgs& args, cudaStream_t stream);

@@ -347,7 +347,7 @@ __global__ void __launch_bounds__(kRowThreads, 1)
 // CTAs per SM a rank's kernel is compiled for (its register budget, 128 a
 // thread for two): two up to rank 32, one above (ranks 40-64 need more than
 // 128 registers to keep their loads in flight without spilling). Measured on
-// the H200 (docs/perf_log.md): three CTAs (80 registers) spill and are slower
+// the H200: three CTAs (80 registers) spill and are slower
 // at rank 16; two instead of one take rank 32 from 87 to 54 µs at T = 64.
 constexpr int rows_min_blocks(int RB) { return RB <= 4 ? 2 : 1; }
 
@@ -407,8 +407,8 @@ cudaError_t staged_dtype(const GatherArgs& a, cudaStream_t stream) {
 // The staged kernel's shapes: two stages of a row's bytes in shared memory,
 // at most kStagedMaxCols columns a thread, ranks up to 32, and at least two
 // rows for every SM (fewer rows split their columns over CTAs instead).
-// H200, rank 16, T = 64, kernel time against gather_rows_kernel (traced,
-// docs/perf_log.md): Qwen3 down 16.3 -> 12.7 µs, DeepSeek gate 13.0 -> 10.7,
+// H200, rank 16, T = 64, kernel time against gather_rows_kernel (traced):
+// Qwen3 down 16.3 -> 12.7 µs, DeepSeek gate 13.0 -> 10.7,
 // DeepSeek down 15.9 -> 11.1, Qwen3 gate 11.9 -> 11.7 with 4 adapters.
 bool staged_fits(const GatherArgs& a) {
   return a.R <= 32 && a.N <= int64_t(kRowThreads) * kStagedMaxCols &&

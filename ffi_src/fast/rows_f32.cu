@@ -37,7 +37,7 @@ constexpr int kF32TileRows = 16;    // rows per CTA of the tiled kernel
 // Batches of at least this many rows take the tiled kernel (with 16-byte
 // loads); below, one CTA a row is faster (H200, Qwen3 router, 4 adapters:
 // 1024 rows 20.6 against 28.4 µs; 2048 rows 37.2 against 29.5 µs; 4096 rows
-// 71.8 against 39.7 µs; docs/perf_log.md).
+// 71.8 against 39.7 µs).
 constexpr int64_t kF32TiledMinRows = 2048;
 
 __device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
