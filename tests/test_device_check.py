@@ -70,7 +70,7 @@ def test_san_shard_skips_the_test_the_tool_crashed_in(tmp_path):
 
 @NEEDS_BASH
 def test_san_shard_deselects_the_tests_an_earlier_call_checked(tmp_path):
-    """SAN_DONE lists tests an earlier device call ran under the tool: they
+    """SAN_DONE lists tests an earlier run checked under the tool: they
     are deselected from the first run on (test_b, which crashes the stand-in,
     among them: the run goes through)."""
     done = "tests/test_fake.py::test_a\ntests/test_fake.py::test_b\n"
