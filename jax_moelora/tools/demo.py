@@ -419,94 +419,171 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
 
 
-def _run_demo(args, impl: str, console) -> int:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
+@dataclasses.dataclass
+class _DemoRun:
+    """What one demo run loaded, measured and generated.
 
+    ``adapters``: ``(name, PEFT layout, slot, max rank, projections)`` each;
+    ``calls``: ``(tokens, layer inputs, layer outputs, adapter ids)`` of the
+    prefill and each decode step, checked against ``impl="jnp"`` afterwards."""
+
+    adapters: list[tuple[str, str, int, int, tuple[str, ...]]]
+    roundtrip: float
+    compile_s: float = 0.0
+    prefill_s: float = 0.0
+    total_s: float = 0.0
+    step_s: list[float] = dataclasses.field(default_factory=list)
+    generated: list[np.ndarray] = dataclasses.field(default_factory=list)
+    calls: list[tuple] = dataclasses.field(default_factory=list)
+    check: _Check = dataclasses.field(default_factory=_Check)
+
+    @property
+    def names(self) -> list[str | None]:
+        """The streams' adapters in turn: the base model (``None``), then each adapter."""
+        return [None] + [a[0] for a in self.adapters]
+
+
+def _progress(console):
+    """The demo's progress bars (rich)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description:<30}"), BarColumn(),
+                    TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                    console=console)
+
+
+def _load_adapters(progress, model: DemoModel, cfg: ModelConfig, folder: Path,
+                   seed: int) -> tuple[AdapterPool, _DemoRun]:
+    """Write the demo's PEFT adapters to ``folder``, load each into a slot of
+    a pool over the model's blocks; the run records them and the worst
+    round-trip error."""
+    task = progress.add_task("write + load PEFT adapters", total=len(_ADAPTERS))
+    pool = AdapterPool(list(model.blocks))
+    adapters = []
+    roundtrip = 0.0
+    for adapter, layout, factors, scales in _write_and_load(folder, cfg, seed):
+        roundtrip = max(roundtrip, _roundtrip_error(adapter, factors, scales))
+        # from the folder (the pool reads it with the family's gate_up split);
+        # with shared-expert pairs added in memory, the adapter object
+        shared = DEMO_FAMILIES[cfg.family].n_shared_experts
+        slot = pool.load(adapter if shared else folder / adapter.name)
+        adapters.append((adapter.name, layout, slot, adapter.max_rank, adapter.projections))
+        progress.advance(task)
+    return pool, _DemoRun(adapters=adapters, roundtrip=roundtrip)
+
+
+def _mixed_batch(pool: AdapterPool, names: list[str | None], streams: int, plen: int,
+                 vocab: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(stream_ids, prompts [streams, plen])``: stream ``i`` uses
+    ``names[i % len(names)]``."""
+    stream_ids = pool.ids([names[i % len(names)] for i in range(streams)])
+    rng = np.random.default_rng(seed + 2)
+    return stream_ids, rng.integers(0, vocab, (streams, plen), dtype=np.int32)
+
+
+def _generate(progress, run: _DemoRun, step, state, prompts: np.ndarray,
+              stream_ids: np.ndarray, steps: int) -> None:
+    """Compile, then prefill the prompts and decode ``steps`` tokens per
+    stream, timing each; fills ``run``'s times, tokens and calls."""
+    streams, plen = prompts.shape
+    prefill_ids = np.repeat(stream_ids, plen)  # per-token map of the packed batch
+    task = progress.add_task("compile (prefill + decode)", total=2)
+    t0 = time.perf_counter()
+    jax.block_until_ready(step(state, prompts.reshape(-1), prefill_ids))
+    progress.advance(task)
+    jax.block_until_ready(step(state, prompts[:, -1], stream_ids))
+    progress.advance(task)
+    run.compile_s = time.perf_counter() - t0
+
+    task = progress.add_task(f"prefill ({streams} x {plen} tokens)", total=1)
+    t0 = time.perf_counter()
+    nxt, ins, outs = jax.block_until_ready(step(state, prompts.reshape(-1), prefill_ids))
+    run.prefill_s = time.perf_counter() - t0
+    run.calls.append((prompts.reshape(-1), ins, outs, prefill_ids))
+    tokens = np.asarray(nxt).reshape(streams, plen)[:, -1]
+    run.generated.append(tokens)
+    progress.advance(task)
+
+    task = progress.add_task(f"decode ({streams} streams)", total=steps)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        nxt, ins, outs = jax.block_until_ready(step(state, tokens, stream_ids))
+        run.step_s.append(time.perf_counter() - t0)
+        run.calls.append((tokens, ins, outs, stream_ids))
+        tokens = np.asarray(nxt)
+        run.generated.append(tokens)
+        progress.advance(task)
+
+
+def _check_calls(progress, model: DemoModel, step, state, calls: list[tuple]) -> _Check:
+    """Every recorded call against ``impl="jnp"`` layer by layer, and its
+    base-model streams against the same step run with every stream on the base."""
+    task = progress.add_task("check vs impl='jnp'", total=len(calls))
+    check = _Check()
+    for toks, ins, outs, ids in calls:
+        ref, base = _reference(model, ins, ids)
+        own_base = step(state, toks, np.full_like(ids, -1))[2]
+        check.update(outs, ref, base, own_base, np.asarray(ids))
+        progress.advance(task)
+    return check
+
+
+def _run_demo(args, impl: str, console) -> int:
+    """Build the model, load the PEFT adapters, prefill and decode a mixed
+    batch, check every step against ``impl="jnp"``; print the summary."""
     size = args.size or "small"
     dtype = _dtype_name(args)
     cfg = ModelConfig(**SIZES[size], layers=args.layers, dtype=dtype, family=args.family)
     streams = args.tokens or 8
-    plen, steps = args.prompt_len, args.steps
     console.print(f"[bold]jax_moelora demo[/bold]: {size} {cfg.family} MoE model, "
                   f"{cfg.layers} layers, E {cfg.experts}, top_k {cfg.top_k}, hidden "
                   f"{cfg.hidden}, inter {cfg.inter}, {dtype}; impl {impl} on {device_name()}")
     t_start = time.perf_counter()
-    progress = Progress(TextColumn("{task.description:<30}"), BarColumn(),
-                        TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                        console=console)
+    progress = _progress(console)
     with progress, tempfile.TemporaryDirectory(prefix="jax_moelora_demo_") as tmp:
         task = progress.add_task("build model", total=1)
         model = DemoModel(cfg, impl=impl, expert_path=args.expert_path,
                           expert_gemm=args.expert_gemm, gather_max_rows=args.gather_max_rows,
                           rngs=nnx.Rngs(args.seed))
         progress.advance(task)
-
-        task = progress.add_task("write + load PEFT adapters", total=len(_ADAPTERS))
-        pool = AdapterPool(list(model.blocks))
-        adapters = []
-        roundtrip = 0.0
-        for adapter, layout, factors, scales in _write_and_load(Path(tmp), cfg, args.seed):
-            roundtrip = max(roundtrip, _roundtrip_error(adapter, factors, scales))
-            # from the folder (the pool reads it with the family's gate_up split);
-            # with shared-expert pairs added in memory, the adapter object
-            shared = DEMO_FAMILIES[cfg.family].n_shared_experts
-            slot = pool.load(adapter if shared else Path(tmp) / adapter.name)
-            adapters.append((adapter.name, layout, slot, adapter.max_rank, adapter.projections))
-            progress.advance(task)
-
-        # the mixed batch: stream i uses the base model, then each adapter in turn
-        names = [None] + [a[0] for a in adapters]
-        stream_ids = pool.ids([names[i % len(names)] for i in range(streams)])
-        rng = np.random.default_rng(args.seed + 2)
-        prompts = rng.integers(0, cfg.vocab, (streams, plen), dtype=np.int32)
-        prefill_ids = np.repeat(stream_ids, plen)  # per-token map of the packed batch
-
+        pool, run = _load_adapters(progress, model, cfg, Path(tmp), args.seed)
+        stream_ids, prompts = _mixed_batch(pool, run.names, streams, args.prompt_len,
+                                              cfg.vocab, args.seed)
         graphdef, state = nnx.split(model)
         step = _jit_step(graphdef, impl)
-        task = progress.add_task("compile (prefill + decode)", total=2)
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(state, prompts.reshape(-1), prefill_ids))
-        progress.advance(task)
-        jax.block_until_ready(step(state, prompts[:, -1], stream_ids))
-        progress.advance(task)
-        compile_s = time.perf_counter() - t0
+        _generate(progress, run, step, state, prompts, stream_ids, args.steps)
+        run.check = _check_calls(progress, model, step, state, run.calls)
+    run.total_s = time.perf_counter() - t_start
+    return _report(args, impl, cfg, streams, run, console)
 
-        task = progress.add_task(f"prefill ({streams} x {plen} tokens)", total=1)
-        t0 = time.perf_counter()
-        nxt, ins, outs = jax.block_until_ready(step(state, prompts.reshape(-1), prefill_ids))
-        prefill_s = time.perf_counter() - t0
-        calls = [(prompts.reshape(-1), ins, outs, prefill_ids)]
-        tokens = np.asarray(nxt).reshape(streams, plen)[:, -1]
-        generated = [tokens]
-        progress.advance(task)
 
-        task = progress.add_task(f"decode ({streams} streams)", total=steps)
-        step_s = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            nxt, ins, outs = jax.block_until_ready(step(state, tokens, stream_ids))
-            step_s.append(time.perf_counter() - t0)
-            calls.append((tokens, ins, outs, stream_ids))
-            tokens = np.asarray(nxt)
-            generated.append(tokens)
-            progress.advance(task)
+def _report(args, impl: str, cfg: ModelConfig, streams: int, run: _DemoRun, console) -> int:
+    """Print the summary table, write the JSON (``--json``); 0 when the run passed."""
+    tol = BLOCK_FOLDS * TOLERANCES[cfg.dtype]
+    check = run.check
+    passed = (check.num <= tol and check.finite and check.base_bitwise
+              and run.roundtrip <= 1e-5)
+    console.print(_summary_table(args, impl, cfg, streams, run, tol, passed))
+    if args.json:
+        args.json.write_text(json.dumps(dict(
+            mode="demo", backend=jax.default_backend(), device=device_name(), impl=impl,
+            dtype=cfg.dtype, config=dataclasses.asdict(cfg), streams=streams,
+            prompt_len=args.prompt_len, steps=args.steps, compile_s=run.compile_s,
+            prefill_s=run.prefill_s, decode_step_s=run.step_s, max_rel_error=check.num,
+            max_abs_error=check.max_abs, tolerance=tol, base_bitwise=check.base_bitwise,
+            roundtrip_error=run.roundtrip, passed=passed,
+            adapters=[dict(name=n, layout=l, slot=s, rank=r) for n, l, s, r, _ in run.adapters]),
+            indent=2))
+    return 0 if passed else 1
 
-        task = progress.add_task("check vs impl='jnp'", total=len(calls))
-        check = _Check()
-        for toks, ins, outs, ids in calls:
-            ref, base = _reference(model, ins, ids)
-            own_base = step(state, toks, np.full_like(ids, -1))[2]
-            check.update(outs, ref, base, own_base, np.asarray(ids))
-            progress.advance(task)
-    total_s = time.perf_counter() - t_start
 
-    tol = BLOCK_FOLDS * TOLERANCES[dtype]
-    ok_num = check.num <= tol and check.finite
-    ok_rt = roundtrip <= 1e-5
-    passed = ok_num and check.base_bitwise and ok_rt
-    gen = np.stack(generated, axis=1)
+def _summary_table(args, impl: str, cfg: ModelConfig, streams: int, run: _DemoRun,
+                   tol: float, passed: bool):
+    """The demo's summary (a rich ``Table``)."""
+    from rich.table import Table
 
+    plen, steps, check, names = args.prompt_len, args.steps, run.check, run.names
+    gen = np.stack(run.generated, axis=1)
     table = Table(title="jax_moelora demo summary", show_header=True, header_style="bold")
     table.add_column("item")
     table.add_column("value")
@@ -516,38 +593,28 @@ def _run_demo(args, impl: str, console) -> int:
                                f"{args.expert_path}, grouped GEMM {args.expert_gemm}")
     table.add_row("family", f"{cfg.family}: {DEMO_FAMILIES[cfg.family]}")
     table.add_row("model", f"{cfg.layers} layers, E {cfg.experts}, top_k {cfg.top_k}, hidden "
-                           f"{cfg.hidden}, inter {cfg.inter}, vocab {cfg.vocab}, {dtype}")
-    for name, layout, slot, rank, projs in adapters:
+                           f"{cfg.hidden}, inter {cfg.inter}, vocab {cfg.vocab}, {cfg.dtype}")
+    for name, layout, slot, rank, projs in run.adapters:
         table.add_row(f"adapter slot {slot}", f"{name}: PEFT layout {layout}, rank <= {rank}, "
                                               f"{'/'.join(projs)}")
     table.add_row("batch", f"{streams} streams: "
                            + ", ".join(str(n or 'base') for n in
                                        (names[i % len(names)] for i in range(streams))))
-    table.add_row("compile", _ms(compile_s))
-    table.add_row("prefill", f"{_ms(prefill_s)} ({streams * plen} tokens, "
+    table.add_row("compile", _ms(run.compile_s))
+    table.add_row("prefill", f"{_ms(run.prefill_s)} ({streams * plen} tokens, "
                              f"{streams * plen * cfg.top_k} rows: "
                              f"{'grouped' if streams * plen * cfg.top_k > 2048 else 'gather'})")
-    table.add_row("decode step", f"{_ms(statistics.median(step_s))} median, "
-                                 f"{_ms(min(step_s))} min over {steps} steps")
+    table.add_row("decode step", f"{_ms(statistics.median(run.step_s))} median, "
+                                 f"{_ms(min(run.step_s))} min over {steps} steps")
     table.add_row("max error vs jnp", f"{check.num:.2e} (delta-relative, tol {tol:g}), "
                                       f"{check.max_abs:.2e} abs")
     table.add_row("base tokens bit-identical", str(check.base_bitwise))
-    table.add_row("PEFT round-trip error", f"{roundtrip:.2e}")
+    table.add_row("PEFT round-trip error", f"{run.roundtrip:.2e}")
     table.add_row("generated (stream 0..3)",
                   "; ".join(" ".join(map(str, g[:6])) + " ..." for g in gen[:4]))
-    table.add_row("wall time", f"{total_s:.1f} s")
+    table.add_row("wall time", f"{run.total_s:.1f} s")
     table.add_row("result", "[green]PASS[/green]" if passed else "[red]FAIL[/red]")
-    console.print(table)
-    if args.json:
-        args.json.write_text(json.dumps(dict(
-            mode="demo", backend=jax.default_backend(), device=device_name(), impl=impl,
-            dtype=dtype, config=dataclasses.asdict(cfg), streams=streams, prompt_len=plen,
-            steps=steps, compile_s=compile_s, prefill_s=prefill_s, decode_step_s=step_s,
-            max_rel_error=check.num, max_abs_error=check.max_abs, tolerance=tol,
-            base_bitwise=check.base_bitwise, roundtrip_error=roundtrip, passed=passed,
-            adapters=[dict(name=n, layout=l, slot=s, rank=r) for n, l, s, r, _ in adapters]),
-            indent=2))
-    return 0 if passed else 1
+    return table
 
 
 # --------------------------------------------------------------------------
@@ -783,16 +850,7 @@ def _run_prefill_timing(args, impl: str, console) -> int:
         table.add_row(label, _ms(r["step_s"]), _ms(r["min_s"]), over, speed)
     console.print(table)
     if args.trace:
-        for i, (label, fn, ids) in enumerate(variants):
-            if label not in errors:
-                results[label]["kernels"] = _trace_kernels(console, label, fn, state, h, ids,
-                                                           inner, args.trace / f"prefill{i}")
-        for gemm in PREFILL_GEMMS:
-            b, lo = (results.get(f"{name}, {gemm}") for name in ("base model",
-                                                                  "LoRA, 4 adapters"))
-            if b and lo and "kernels" in b and "kernels" in lo:
-                lo["overhead_split"] = _print_split(console, f"LoRA, 4 adapters, {gemm}",
-                                                    b["kernels"], lo["kernels"])
+        _trace_prefill(console, variants, results, state, h, inner, args.trace)
     if args.json:
         args.json.write_text(json.dumps(dict(
             mode="prefill_timing", backend=jax.default_backend(), device=device_name(),
@@ -801,6 +859,22 @@ def _run_prefill_timing(args, impl: str, console) -> int:
             expert_matmul_kernel=kernel, steps_per_run=inner, repeats=args.repeats,
             results=results, errors=errors), indent=2))
     return 0
+
+
+def _trace_prefill(console, variants, results: dict[str, dict], state, h, inner: int,
+                   folder: Path) -> None:
+    """``--trace`` of ``--timing --prefill``: the kernels of each variant that
+    ran (``results[label]["kernels"]``, under ``folder/prefill<i>``), and the
+    LoRA variants' overhead split against their grouped GEMM's base model."""
+    for i, (label, fn, ids) in enumerate(variants):
+        if label in results:
+            results[label]["kernels"] = _trace_kernels(console, label, fn, state, h, ids,
+                                                       inner, folder / f"prefill{i}")
+    for gemm in PREFILL_GEMMS:
+        b, lo = (results.get(f"{name}, {gemm}") for name in ("base model", "LoRA, 4 adapters"))
+        if b and lo and "kernels" in b and "kernels" in lo:
+            lo["overhead_split"] = _print_split(console, f"LoRA, 4 adapters, {gemm}",
+                                                b["kernels"], lo["kernels"])
 
 
 def _main(argv: list[str] | None = None) -> int:  # pragma: no cover - convenience
