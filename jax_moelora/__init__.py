@@ -5,7 +5,7 @@ calls (C++ on CPU, CUDA on GPU), with routing and table packing in traced
 ``jnp`` so a whole decode step compiles into one static XLA program.
 """
 
-from jax_moelora._ext import backends
+from jax_moelora.ops.backend import backends
 from jax_moelora.geometry import (
     MLG_M_TILE,
     gather_bgmv_grids,

@@ -124,44 +124,7 @@ def cuda_available() -> bool:
 
 
 def backends() -> dict[str, Any]:
-    """What was built, what JAX sees, and which fold backends can run now.
+    """``jax_moelora.backends()``: the registry's report (``ops/backend.py``)."""
+    from jax_moelora.ops.backend import backends as report
 
-    Returns a dict with:
-
-    - ``gpu_visible`` (bool) and ``gpus`` (JAX's GPU devices);
-    - ``default_backend``: where computations go now (JAX's default backend,
-      or the ``jax.default_device`` context's platform);
-    - ``ffi_platforms_built``: the platforms the extension holds handlers for
-      (``"cpu"``, and ``"CUDA"`` when the kernels were compiled);
-    - ``ffi_platforms_usable``: those that can run on this machine now
-      (``"CUDA"`` only with a visible GPU);
-    - ``cuda_kernels_built``, ``cuda_kernels_usable`` (bool), ``cuda_architectures``;
-    - ``impls``: the fold backends that run on the default backend now, and
-      ``auto``: the one ``impl="auto"`` runs there;
-    - ``xla_ffi_api`` (the FFI API version the extension was built against)
-      and ``MLG_M_TILE``.
-    """
-    platforms = register()
-    gpus = gpu_devices()
-    backend = current_platform()
-    usable = [p for p in platforms if p == "cpu" or (p == "CUDA" and gpus)]
-    impls = ["jnp"]
-    if backend == "cpu":
-        impls.insert(0, "cpu")
-    if cuda_available():
-        impls[:0] = ["fast", "seed"]
-    return {
-        "gpu_visible": bool(gpus),
-        "gpus": gpus,
-        "default_backend": backend,
-        "ffi_platforms_built": list(platforms),
-        "ffi_platforms_usable": usable,
-        "cuda_kernels_built": HAS_CUDA,
-        "cuda_kernels_usable": HAS_CUDA and bool(gpus),
-        "cuda_architectures": ext.CUDA_ARCHITECTURES,
-        "impls": impls,
-        "auto": impls[0],
-        "xla_ffi_api": tuple(ext.XLA_FFI_API_VERSION),
-        "MLG_M_TILE": MLG_M_TILE,
-        "expert_matmul_kernel": HAS_EXPERT_MATMUL,
-    }
+    return report()

@@ -520,22 +520,22 @@ def test_fast_runs_the_cutlass_kernel(rng):
 
 @GPU
 def test_kernel_use_follows_the_default_device():
-    """Whether the CUTLASS kernel runs is decided per call: a CPU default-device
-    context on the GPU machine does not use it, and later calls outside the
-    context do again."""
-    from jax_moelora.ops import expert_matmul_ffi
+    """Whether impl='fast' runs the CUTLASS kernel is decided per call: a CPU
+    default-device context on a machine with a GPU does not use it, and later
+    calls outside the context do again."""
+    from jax_moelora.ops.expert_matmul import uses_kernel
 
-    assert expert_matmul_ffi.kernel_usable()
+    assert uses_kernel(jnp.bfloat16, 64, 48)
     with jax.default_device(jax.devices("cpu")[0]):
-        assert not expert_matmul_ffi.kernel_usable()
-    assert expert_matmul_ffi.kernel_usable()
+        assert not uses_kernel(jnp.bfloat16, 64, 48)
+    assert uses_kernel(jnp.bfloat16, 64, 48)
 
 
 def test_kernel_not_used_off_the_gpu():
-    from jax_moelora.ops import expert_matmul_ffi
+    from jax_moelora.ops.expert_matmul import uses_kernel
 
     with jax.default_device(jax.devices("cpu")[0]):
-        assert not expert_matmul_ffi.kernel_usable()
+        assert not uses_kernel(jnp.bfloat16, 64, 48)
 
 
 @GPU

@@ -19,8 +19,7 @@ import numpy as np
 import pytest
 
 from _transform_cases import make_route
-from jax_moelora.ops import autodiff, grouped_vjp, jnp_fold
-from jax_moelora.ops import grouped_matmul as gm
+from jax_moelora.ops import autodiff, backend, grouped_vjp, jnp_fold
 from jax_moelora.ops.stacked import stack_routes
 
 GPU = pytest.mark.gpu
@@ -149,4 +148,4 @@ def test_kernels_match_the_jnp_form(rng, sort):
     np.testing.assert_array_equal(np.asarray(dx2).view(np.uint16), np.asarray(dx).view(np.uint16))
     for a, b in zip(grads, grads2):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert gm.kernel_usable(dt, 256, 128, 16)
+    assert backend.gpu_now() and backend.cutlass_takes(dt, 256, 128, 16)

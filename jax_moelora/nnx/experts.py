@@ -31,11 +31,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_moelora import _ext
 from jax_moelora.nnx.families import GptOss
 from jax_moelora.ops.expert_matmul import expert_matmul as _library_expert_matmul
+from jax_moelora.ops import backend
 from jax_moelora.ops.batching import ragged_dot
-from jax_moelora.ops.expert_matmul import uses_kernel
 from jax_moelora.ops.folds import RowPlan, plan_rows
 from jax_moelora.ops.take_rows import take_rows
 
@@ -136,11 +135,11 @@ def _dense_rows(h: Array, w: Array, topk_ids: Array) -> Array:
 
 def grouped_gemm_runs_kernel(dtype: Any, k: int, n: int) -> bool:
     """Whether ``expert_gemm="auto"`` takes :func:`jax_moelora.expert_matmul`
-    for a ``[*, k] x [E, k, n]`` GEMM traced now: computations go to a GPU with
-    the CUDA kernels (``_ext.cuda_available()``) and its CUTLASS kernel runs for
-    these operands (sm_90, bf16/f16, ``k`` and ``n`` multiples of
-    ``EXPERT_MATMUL_ALIGN``: ``ops.expert_matmul.uses_kernel``)."""
-    return _ext.cuda_available() and uses_kernel(dtype, k, n)
+    for a ``[*, k] x [E, k, n]`` GEMM lowered for CUDA: its CUTLASS kernel is
+    built for this machine's GPU and takes these operands
+    (``ops.backend.cutlass_takes``: sm_90, bf16/f16, ``k`` and ``n``
+    multiples of ``EXPERT_MATMUL_ALIGN``)."""
+    return backend.cutlass_takes(dtype, k, n)
 
 
 def _ragged_dot(xs: Array, ws: tuple[Array, ...], sizes: Array, stacked: bool):
@@ -173,9 +172,9 @@ def _grouped_gemm(xs: Array, ws: tuple[Array, ...], sizes: Array, gemm: str,
     _, k, n = ws[0].shape
     if not grouped_gemm_runs_kernel(xs.dtype, k, n):
         return ragged(xs, ws, sizes)
-    # The kernel runs here: take it when lowered for CUDA, ragged_dot on any
-    # other platform (as the folds' impl="auto" does, ops/batching.py).
-    return jax.lax.platform_dependent(xs, ws, sizes, cuda=library, default=ragged)
+    # The kernel is built: take it when lowered for CUDA, ragged_dot on any
+    # other platform (ops/backend.py).
+    return backend.per_platform(xs, ws, sizes, cpu=ragged, cuda=library, default=ragged)
 
 
 def expert_matmul_pair(x: Array, ws: tuple[Array, ...], rows: ExpertRows, *,

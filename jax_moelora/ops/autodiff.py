@@ -62,9 +62,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_moelora import _ext
-from jax_moelora.ops import batching, grouped_vjp, jnp_fold, launch
-from jax_moelora.ops import grouped_matmul as gm
+from jax_moelora.ops import backend, batching, grouped_vjp, jnp_fold, launch
 from jax_moelora.ops.batching import GatherCfg, GroupedCfg
 from jax_moelora.ops.jnp_fold import rounded
 from jax_moelora.ops.search import searchsorted
@@ -270,7 +268,7 @@ def _vjp_in_mode(mode: str, x, route, g_rows, xi, cell, ok, kernels: bool = Fals
 
 def _grouped_runs(route: MoeExpertRoute, k_in: int) -> bool:
     """Whether the grouped formulation's CUDA kernels take this route's folds."""
-    return gm.kernel_built(route.dtype, k_in, route.n_out, route.max_rank)
+    return backend.cutlass_takes(route.dtype, k_in, route.n_out, route.max_rank)
 
 
 def fold_rows_vjp(x, route: MoeExpertRoute, g_rows, xi, cell, ok, mode: str | None = None,
@@ -298,14 +296,15 @@ def fold_rows_vjp(x, route: MoeExpertRoute, g_rows, xi, cell, ok, mode: str | No
     grouped = _grouped_runs(route, x.shape[1])
     mode = FORCE_MODE if mode is None else mode
     if mode is not None:  # the kernels where computations go to a GPU that runs them
-        return _vjp_in_mode(mode, *args, kernels=grouped and _ext.cuda_available())
+        return _vjp_in_mode(mode, *args, kernels=grouped and backend.gpu_now())
     fallback = backward_mode(m, route)
-    if impl in ("fast", "seed") and grouped and _ext.cuda_available():
+    if impl in ("fast", "seed") and grouped:  # (the fold checked that it runs on a GPU)
         return _vjp_in_mode("grouped", *args, kernels=True)
     if impl == "auto" and grouped:
-        return jax.lax.platform_dependent(
-            *args, cuda=lambda *a: _vjp_in_mode("grouped", *a, kernels=True),
-            default=functools.partial(_vjp_in_mode, fallback))
+        jnp_mode = functools.partial(_vjp_in_mode, fallback)
+        return backend.per_platform(
+            *args, cpu=jnp_mode, cuda=lambda *a: _vjp_in_mode("grouped", *a, kernels=True),
+            default=jnp_mode)
     return _vjp_in_mode(fallback, *args)
 
 

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from jax_moelora import _ext
 from jax_moelora.int_range import check_rows
-from jax_moelora.ops import ffi_fold, jnp_fold
+from jax_moelora.ops import backend, ffi_fold, jnp_fold
 from jax_moelora.ops.contract import offsets_well_formed
 from jax_moelora.tables import MoeExpertRoute
 
@@ -104,16 +104,16 @@ def _typed_like(out, args):
 
 
 def _per_platform(impl_fn, args):
-    """``impl="auto"``: ``impl_fn(impl, *args)`` with the backend for the platform
-    the computation is lowered for (``jax.lax.platform_dependent``): ``"cpu"``
-    (the C++ handlers) for CPU, ``"fast"`` (the CUDA kernels, when built) for
-    CUDA, ``"jnp"`` for any other. Each branch's result is typed like the
-    operands inside ``shard_map``, so the branches agree."""
-    branches = {"cpu": lambda *a: _typed_like(impl_fn("cpu", *a), a)}
-    if _ext.HAS_CUDA:
-        branches["cuda"] = lambda *a: _typed_like(impl_fn("fast", *a), a)
-    return jax.lax.platform_dependent(
-        *args, default=lambda *a: _typed_like(impl_fn("jnp", *a), a), **branches)
+    """``impl="auto"``: ``impl_fn(impl, *args)`` with the backend ``backend.AUTO``
+    names for the platform the computation is lowered for (``backend.per_platform``).
+    Each branch's result is typed like the operands inside ``shard_map``, so
+    the branches agree."""
+    def branch(impl):
+        return lambda *a: _typed_like(impl_fn(impl, *a), a)
+
+    return backend.per_platform(*args, cpu=branch(backend.AUTO["cpu"]),
+                                cuda=branch(backend.AUTO["cuda"]) if _ext.HAS_CUDA else None,
+                                default=branch("jnp"))
 
 
 def _gather_impl(cfg: GatherCfg, x, base_out, indices, route, row_adapter):

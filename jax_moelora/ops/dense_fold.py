@@ -29,7 +29,8 @@ from jax_moelora import _ext
 from jax_moelora.int_range import check_rows
 from jax_moelora.ops import autodiff, batching, ffi_fold, launch
 from jax_moelora.ops.batching import GatherCfg, match_varying, virtual_ids
-from jax_moelora.ops.folds import _check_common, _check_x_gather, _checked_impl, _int_array
+from jax_moelora.ops.backend import check_impl
+from jax_moelora.ops.folds import _check_common, _check_x_gather, _int_array
 from jax_moelora.ops.stacked import StackedRoute
 from jax_moelora.tables import MoeExpertRoute
 
@@ -203,7 +204,7 @@ def fold_dense_experts(x: jax.Array, bases: tuple[jax.Array, ...], topk_ids: jax
     if row_adapter is not None and _int_array("row_adapter", row_adapter) != (T,):
         raise ValueError(f"{fn}: row_adapter has {row_adapter.shape[0]} entries, the batch has "
                          f"{T} tokens")
-    impl = _checked_impl(impl)
+    impl = check_impl(impl)
     ids = topk_ids.astype(jnp.int32)
     if S > 1:
         ids = virtual_ids(ids[:, None, :], jnp.arange(S, dtype=jnp.int32)[None, :, None], E)

@@ -21,7 +21,9 @@ Backends: ``"jnp"`` and ``"cpu"`` run ``jax.lax.ragged_dot`` and the fold
 with that impl; ``"fast"`` runs one custom call (CUTLASS grouped GEMM on sm90,
 then the fast grouped fold in the same handler) for bf16/f16 when the
 extension holds the kernel and ``K`` and ``N`` are multiples of 8, else the
-``"jnp"`` path. ``"auto"`` is ``"fast"`` on a GPU, ``"cpu"`` on the CPU. Up
+``"jnp"`` path. ``"auto"`` is decided when the computation is lowered, as
+for the folds (``ops/backend.py``): ``"fast"`` for CUDA, ``"cpu"`` for the
+CPU, ``"jnp"`` for any other platform. Up
 to ``gather_max_rows`` sorted rows the fold is the gather fold instead (one
 flat row per sorted row, after the GEMM; with ``"fast"`` the GEMM's custom
 call, then the gather fold's; ``gather_max_rows=None`` takes
@@ -52,9 +54,10 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from jax_moelora import _ext
-from jax_moelora.ops import autodiff, batching, expert_matmul_ffi, grouped_vjp, jnp_fold, launch
+from jax_moelora.ops import (autodiff, backend, batching, expert_matmul_ffi, grouped_vjp, jnp_fold,
+                             launch)
 from jax_moelora.ops import grouped_matmul as gm
-from jax_moelora.ops.folds import gather_rows_limit, resolve_impl
+from jax_moelora.ops.folds import gather_rows_limit
 from jax_moelora.ops.jnp_fold import rounded
 from jax_moelora.tables import FLOAT_DTYPES, MoeExpertRoute
 
@@ -176,7 +179,7 @@ def _routes(lora, pair: bool, dtype, E: int, K: int, N: int) -> tuple[Any, ...]:
 # ---- forward backends ------------------------------------------------------------------------
 
 class _Cfg(NamedTuple):
-    impl: str          # "jnp", "cpu" or "fast" (resolved)
+    impl: str          # "auto" (decided at lowering), "jnp", "cpu" or "fast"
     has_ra: bool       # a row-adapter map is passed
     pdl: bool = True   # programmatic dependent launch of the fold (ops/launch.py)
     gather: bool = False  # the LoRA folded by the gather fold (M <= gather_max_rows)
@@ -218,11 +221,22 @@ def _gather_rows(xs, offsets, stids, ra):
 
 
 def uses_kernel(dtype, K: int, N: int) -> bool:
-    """Whether ``impl="fast"`` runs the CUTLASS kernel for these operands (else
-    it runs ``ragged_dot`` and the fast fold): built, on an sm_90 GPU, bf16 or
-    f16, ``K`` and ``N`` multiples of ``EXPERT_MATMUL_ALIGN``."""
-    return (expert_matmul_ffi.kernel_usable() and jnp.dtype(dtype) != jnp.float32
-            and K % _ext.EXPERT_MATMUL_ALIGN == 0 and N % _ext.EXPERT_MATMUL_ALIGN == 0)
+    """Whether ``impl="fast"`` runs the CUTLASS kernel for these operands now
+    (else it runs ``ragged_dot`` and the fast fold): computations go to a GPU
+    and ``backend.cutlass_takes`` them (built, sm_90, bf16 or f16, ``K`` and
+    ``N`` multiples of ``EXPERT_MATMUL_ALIGN``)."""
+    return backend.gpu_now() and backend.cutlass_takes(dtype, K, N)
+
+
+def _per_platform(cfg: _Cfg, fn, *args):
+    """``impl="auto"``: ``fn(cfg with the backend of the lowering platform,
+    *args)`` (``backend.AUTO``)."""
+    def branch(impl):
+        return lambda *a: fn(cfg._replace(impl=impl), *a)
+
+    return backend.per_platform(*args, cpu=branch(backend.AUTO["cpu"]),
+                                cuda=branch(backend.AUTO["cuda"]) if _ext.HAS_CUDA else None,
+                                default=branch("jnp"))
 
 
 def gemm_schedule(K: int) -> str:
@@ -236,8 +250,10 @@ def gemm_schedule(K: int) -> str:
 
 def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra):
     """``[len(ws), M, N]``: weight set ``i``'s folded output is plane ``i``."""
+    if cfg.impl == "auto":
+        return _per_platform(cfg, _forward, xs, ws, offsets, stids, routes, ra)
     ra = ra if cfg.has_ra else None
-    kernel = cfg.impl == "fast" and uses_kernel(xs.dtype, ws[0].shape[1], ws[0].shape[2])
+    kernel = cfg.impl == "fast" and backend.cutlass_takes(xs.dtype, ws[0].shape[1], ws[0].shape[2])
     gather = cfg.gather and any(r is not None for r in routes)
     if kernel and not gather:  # the GEMM and the grouped fold in one custom call
         return expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes, ra, cfg.pdl,
@@ -326,8 +342,19 @@ def _bwd_ragged(cfg: _Cfg, args, gs):
         _, vjp_f = jax.vjp(fold, xs, r)
         dx_f, dr = vjp_f(g)
         dxs = dxs + dx_f.astype(_F32)
-        droutes.append(dr)
+        droutes.append(autodiff.route_cotangent(r, dr.a_pool, dr.b_pool, dr.scale_table))
     return dxs.astype(xs.dtype), tuple(dws), droutes
+
+
+def _bwd(cfg: _Cfg, args, gs, need_x: bool, need_w: bool):
+    """The cotangents of ``(xs, ws, offsets, stids, routes, ra)``: on the
+    kernels where the CUTLASS GEMM ran the forward, else through ``ragged_dot``."""
+    xs, ws = args[0], args[1]
+    if cfg.impl == "fast" and backend.cutlass_takes(xs.dtype, ws[0].shape[1], ws[0].shape[2]):
+        dx, dws, droutes = _bwd_kernel(args, gs, need_x, need_w)
+    else:
+        dx, dws, droutes = _bwd_ragged(cfg, args, gs)
+    return (dx if need_x else None, dws if need_w else None, None, None, tuple(droutes), None)
 
 
 def _is_primal(p) -> bool:
@@ -356,15 +383,12 @@ def _op(cfg: _Cfg):
 
     def bwd(res, gs):
         args, (need_x, need_w) = res
-        xs, ws = args[0], args[1]
         if isinstance(gs, SymbolicZero):
             gs = jnp.zeros(gs.shape, gs.dtype)
-        if cfg.impl == "fast" and uses_kernel(xs.dtype, ws[0].shape[1], ws[0].shape[2]):
-            dx, dws, droutes = _bwd_kernel(args, gs, need_x is not None, need_w is not None)
-        else:
-            dx, dws, droutes = _bwd_ragged(cfg, args, gs)
-        return (dx if need_x is not None else None, dws if need_w is not None else None,
-                None, None, tuple(droutes), None)
+        need = (need_x is not None, need_w is not None)
+        if cfg.impl == "auto":
+            return _per_platform(cfg, lambda c, a, g: _bwd(c, a, g, *need), args, gs)
+        return _bwd(cfg, args, gs, *need)
 
     op.defvjp(fwd, bwd, symbolic_zeros=True)
     return op
@@ -484,7 +508,7 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
         raise ValueError(f"expert_matmul: schedule must be one of {EXPERT_MATMUL_SCHEDULES}, "
                          f"got {schedule!r}")
     gather = gather_rows_limit(E, gather_max_rows) >= M
-    impl = resolve_impl(impl)
+    impl = backend.check_impl(impl)  # "auto": decided at lowering
 
     stids = (jnp.arange(M, dtype=jnp.int32) if sorted_token_ids is None
              else jnp.asarray(sorted_token_ids))

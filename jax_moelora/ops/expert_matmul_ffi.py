@@ -17,7 +17,7 @@ import numpy as np
 from jax_moelora import _ext
 from jax_moelora.tables import MoeExpertRoute
 
-__all__ = ["expert_matmul_ffi", "device_sm_count", "kernel_usable", "hopper_built_and_present"]
+__all__ = ["expert_matmul_ffi", "device_sm_count"]
 
 
 @functools.cache
@@ -28,25 +28,6 @@ def device_sm_count() -> int:
     if not count:
         raise RuntimeError(f"expert_matmul: cannot read the SM count of {dev}")
     return int(count)
-
-
-@functools.cache
-def hopper_built_and_present() -> bool:
-    """The CUTLASS kernel was built and the first GPU is Hopper (sm_90)."""
-    if not (_ext.HAS_EXPERT_MATMUL and _ext.HAS_CUDA):
-        return False
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        return False
-    return bool(gpus) and str(getattr(gpus[0], "compute_capability", "")) == "9.0"
-
-
-def kernel_usable() -> bool:
-    """The CUTLASS kernel was built, the GPU is Hopper (sm_90) and computations
-    go to it now (decided per call: a ``jax.default_device`` CPU context on a
-    GPU machine gets ``False``)."""
-    return _ext.cuda_available() and hopper_built_and_present()
 
 
 def _absent_route(dtype) -> tuple:

@@ -9,11 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_moelora import _ext
+from jax_moelora.ops.backend import FFI_VARIANT
 from jax_moelora.tables import MoeExpertRoute
 
-__all__ = ["gather_bgmv_ffi", "grouped_down_ffi", "VARIANTS"]
-
-VARIANTS = {"seed": _ext.VARIANT_SEED, "fast": _ext.VARIANT_FAST, "cpu": _ext.VARIANT_SEED}
+__all__ = ["gather_bgmv_ffi", "grouped_down_ffi"]
 
 
 def _optional_operand(v):
@@ -53,7 +52,7 @@ def gather_bgmv_ffi(x, base_out, indices, route, row_adapter, *, top_k: int, x_g
     out, out2 = _call(_ext.GATHER_BGMV_TARGET, (1, 2), route,
                       (x, base_out, b2, indices, ra), indices.shape[0], top_k=top_k,
                       pdl=pdl, x_gather=x_gather, has_row_adapter=has_ra, dense_tokens=dense_tokens,
-                      dense_experts=dense_experts, variant=VARIANTS[impl])
+                      dense_experts=dense_experts, variant=FFI_VARIANT[impl])
     if dense_tokens == 0:
         return out
     return out, (out2 if base2 is not None else None)
@@ -68,5 +67,5 @@ def grouped_down_ffi(x, base_out, expert_offsets, sorted_token_ids, route, row_a
                    (x, base_out, expert_offsets, sorted_token_ids, ra, orows),
                    sorted_token_ids.shape[0], pdl=pdl, row_offset=row_offset, row_end=row_end,
                    x_gather=x_gather, has_row_adapter=has_ra, has_out_rows=has_orows,
-                   variant=VARIANTS[impl])
+                   variant=FFI_VARIANT[impl])
     return out

@@ -29,6 +29,7 @@ import numpy as np
 from jax_moelora import _ext
 from jax_moelora.int_range import check_rows
 from jax_moelora.ops import autodiff, contract
+from jax_moelora.ops.backend import IMPLS, check_impl, resolve_impl
 from jax_moelora.ops.batching import virtual_ids
 from jax_moelora.ops.search import searchsorted
 from jax_moelora.ops.stacked import StackedRoute, fold_stacked
@@ -39,7 +40,6 @@ __all__ = ["moe_lora_gather_bgmv", "moe_lora_grouped_down", "moe_lora_fold", "re
            "plan_rows", "fold_planned", "sort_rows_by_expert", "fold_token_projections"]
 
 Impl = Literal["auto", "fast", "seed", "cpu", "jnp"]
-IMPLS = ("auto", "fast", "seed", "cpu", "jnp")
 
 # moe_lora_fold and expert_matmul use the gather fold up to
 # gather_rows_limit(num_experts) rows, else the grouped fold on rows sorted by
@@ -67,38 +67,6 @@ def gather_rows_limit(num_experts: int, gather_max_rows: int | None = None) -> i
             raise TypeError(f"gather_max_rows must be an int or None, got {gather_max_rows!r}")
         return int(gather_max_rows)
     return max(GATHER_MAX_ROWS, GATHER_ROWS_PER_EXPERT * int(num_experts))
-
-
-def resolve_impl(impl: str) -> str:
-    """The concrete backend ``impl`` names for computations on JAX's default
-    platform (for ``"auto"``: the one a computation lowered there runs).
-
-    Raises:
-      ValueError: ``impl`` is not one of ``IMPLS``, or names a backend that
-        cannot run on the default platform.
-    """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    backend = _ext.current_platform()
-    if impl == "auto":
-        if _ext.cuda_available():
-            return "fast"
-        return "cpu" if backend == "cpu" else "jnp"
-    if impl in ("fast", "seed") and not _ext.cuda_available():
-        why = ("the extension was built without CUDA (no nvcc at build time)" if not _ext.HAS_CUDA
-               else f"computations go to {backend!r}, not 'gpu'")
-        raise ValueError(f"impl={impl!r} needs the CUDA kernels on a GPU: {why}")
-    if impl == "cpu" and backend != "cpu":
-        raise ValueError(f"impl='cpu' runs the C++ handlers on the CPU; computations go to "
-                         f"{backend!r} (use `with jax.default_device(jax.devices('cpu')[0])`)")
-    return impl
-
-
-def _checked_impl(impl: str) -> str:
-    """``impl`` validated as ``resolve_impl`` does; ``"auto"`` is kept, and the
-    backend is picked when the fold is lowered (``ops/batching.py``)."""
-    concrete = resolve_impl(impl)
-    return "auto" if impl == "auto" else concrete
 
 
 def _shape(name: str, v) -> tuple[int, ...]:
@@ -215,7 +183,7 @@ def moe_lora_gather_bgmv(x: jax.Array, base_out: jax.Array, indices: jax.Array,
         (nr,) = _int_array("row_adapter", row_adapter)
         if nr != num_tokens:
             raise ValueError(f"{fn}: row_adapter has {nr} entries, the batch has {num_tokens} tokens")
-    impl = _checked_impl(impl)
+    impl = check_impl(impl)
     if jnp.dtype(indices.dtype) == jnp.uint32:
         indices = jax.lax.bitcast_convert_type(indices, jnp.int32)
     if validate:
@@ -383,7 +351,7 @@ def _grouped_down(x, base_out, expert_offsets, sorted_token_ids, route, row_adap
     row_offset, row_end = int(row_offset), int(row_end)
     if not 0 <= row_offset <= row_end <= te:
         raise ValueError(f"{fn}: window [{row_offset}, {row_end}) is not inside [0, {te}]")
-    impl = _checked_impl(impl)
+    impl = check_impl(impl)
     if validate:
         num_tokens = x_rows if x_gather else (None if row_adapter is None
                                               else row_adapter.shape[0])

@@ -23,7 +23,7 @@ Rows of an ``[M, K]`` operand are split into ``G`` contiguous groups by
 Several independent operand sets run in one call (:class:`GmmSet`,
 :class:`TgmmSet`; one kernel launch on the GPU). ``impl="fast"`` runs the
 ``grouped_matmul`` custom call (a CUTLASS grouped GEMM on sm90, bf16/f16,
-``K`` and ``N`` multiples of ``EXPERT_MATMUL_ALIGN``: :func:`kernel_usable`);
+``K`` and ``N`` multiples of ``EXPERT_MATMUL_ALIGN``: ``backend.cutlass_takes``);
 ``impl="jnp"`` computes the same with ``jax.lax.ragged_dot_general`` on
 f32-widened operands (every platform; the reference the kernel is tested
 against). Neither is differentiated: they are used inside ``custom_vjp``
@@ -44,7 +44,7 @@ from jax_moelora import _ext
 from jax_moelora.ops import batching, expert_matmul_ffi
 from jax_moelora.ops.jnp_fold import rounded
 
-__all__ = ["GmmSet", "TgmmSet", "gmm", "tgmm", "kernel_built", "kernel_usable", "group_offsets"]
+__all__ = ["GmmSet", "TgmmSet", "gmm", "tgmm", "group_offsets"]
 
 _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
@@ -83,21 +83,6 @@ def group_offsets(counts: jax.Array) -> jax.Array:
     """int32 ``[G + 1]`` offsets of groups of ``counts [G]`` rows laid out in turn."""
     return jnp.concatenate([jnp.zeros((1,), jnp.int32),
                             jnp.cumsum(counts.astype(jnp.int32), dtype=jnp.int32)])
-
-
-def kernel_built(dtype, *dims: int) -> bool:
-    """Whether the CUTLASS kernels were built and the first GPU is Hopper, and
-    they take operands of ``dtype`` (bf16 or f16) whose ``K`` and ``N`` are
-    ``dims`` (multiples of ``EXPERT_MATMUL_ALIGN``): what a computation lowered
-    for CUDA can run with ``impl="fast"``."""
-    return (expert_matmul_ffi.hopper_built_and_present()
-            and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-            and all(d % _ext.EXPERT_MATMUL_ALIGN == 0 for d in dims))
-
-
-def kernel_usable(dtype, *dims: int) -> bool:
-    """:func:`kernel_built`, and computations go to the GPU now."""
-    return _ext.cuda_available() and kernel_built(dtype, *dims)
 
 
 def _plane(a: jax.Array, index: int, rank: int) -> jax.Array:

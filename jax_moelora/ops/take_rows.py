@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_moelora.ops import backend
+
 __all__ = ["take_rows"]
 
 
@@ -57,4 +59,4 @@ def take_rows(x: jax.Array, ids: jax.Array) -> jax.Array:
     """
     if not _words(x):
         return _take(x, ids)
-    return jax.lax.platform_dependent(x, ids, cuda=_take_words, default=_take)
+    return backend.per_platform(x, ids, cpu=_take, cuda=_take_words, default=_take)

@@ -1,0 +1,163 @@
+"""The backend registry (``ops/backend.py``): one place decides which kernels
+run, and ``impl="auto"`` decides the same way for every op.
+
+The same functions are lowered for the CPU and for CUDA (``jax.export``, no
+GPU needed) and each lowering is read for the kernels it calls: the folds
+take the C++ handlers for the CPU and the fast CUDA kernels for CUDA;
+``expert_matmul``, its backward, the folds' backward and ``MoEBlock``'s
+grouped GEMM take the CUTLASS kernels for CUDA only (where they are built:
+stood in for here), XLA's dots and jnp for the CPU; ``take_rows`` moves
+32-bit words for CUDA only. ``backends()`` reports the registry's table.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_moelora as ml
+from _transform_cases import make_case
+from jax_moelora import _ext
+from jax_moelora.ops import backend, expert_matmul_ffi
+from jax_moelora.ops.take_rows import take_rows
+
+TARGETS = (_ext.GATHER_BGMV_TARGET, _ext.GROUPED_DOWN_TARGET, _ext.EXPERT_MATMUL_TARGET,
+           _ext.GROUPED_MATMUL_TARGET)
+
+
+@pytest.fixture
+def cutlass(monkeypatch):
+    """The CUTLASS kernels as if built for a Hopper GPU (lowering only)."""
+    monkeypatch.setattr(backend, "cutlass_built", lambda: True)
+    monkeypatch.setattr(expert_matmul_ffi, "device_sm_count", lambda: 132)
+
+
+def _lowered(f, *args, platform: str) -> str:
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TARGETS]
+    return jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=checks)(
+        *args).mlir_module()
+
+
+def _calls(text: str) -> dict[str, list[int]]:
+    """Each custom call target of a lowering and the ``variant`` attributes of its calls."""
+    found: dict[str, list[int]] = {}
+    for m in re.finditer(r"stablehlo\.custom_call @(\w+)\(([^\n]*)", text):
+        variant = re.search(r"variant = (\d+)", m.group(2))
+        found.setdefault(m.group(1), []).append(int(variant.group(1)) if variant else -1)
+    return found
+
+
+@pytest.fixture(scope="module")
+def case():
+    return make_case(np.random.default_rng(0), T=40, top_k=2, x_gather=1, dtype=jnp.bfloat16,
+                     K=64, N=64, R=16, P=9, E=6, L=2)
+
+
+@pytest.mark.parametrize("path", ["gather", "sorted"])
+def test_auto_folds_take_each_platforms_kernels(case, path):
+    rows = case.base_out.shape[0]
+    limit = rows if path == "gather" else 0
+
+    def f(x, b, r):
+        return ml.moe_lora_fold(x, b, case.topk_ids, r, case.row_adapter, x_gather=1,
+                                gather_max_rows=limit)
+
+    target = _ext.GATHER_BGMV_TARGET if path == "gather" else _ext.GROUPED_DOWN_TARGET
+    cpu = _calls(_lowered(f, case.x, case.base_out, case.route, platform="cpu"))
+    cuda = _calls(_lowered(f, case.x, case.base_out, case.route, platform="cuda"))
+    assert cpu == {target: [backend.FFI_VARIANT[backend.AUTO["cpu"]]]}
+    assert cuda == {target: [backend.FFI_VARIANT[backend.AUTO["cuda"]]]}
+
+
+def _fold_grads(case):
+    """The gradient w.r.t. x and the pools of a sorted fold: ``(x, base, a_pool, b_pool)``."""
+    def loss(x, b, a_pool, b_pool):
+        r = case.route.replace(a_pool=a_pool, b_pool=b_pool)
+        out = ml.moe_lora_fold(x, b, case.topk_ids, r, case.row_adapter, x_gather=1,
+                               gather_max_rows=0)
+        return jnp.sum(out.astype(jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 2, 3))
+
+
+def _grad_args(case):
+    return case.x, case.base_out, case.route.a_pool, case.route.b_pool
+
+
+def test_fold_backward_takes_the_grouped_gemms_for_cuda_only(case, cutlass):
+    g = _fold_grads(case)
+    cpu = _calls(_lowered(g, *_grad_args(case), platform="cpu"))
+    cuda = _calls(_lowered(g, *_grad_args(case), platform="cuda"))
+    assert _ext.GROUPED_MATMUL_TARGET not in cpu
+    assert _ext.GROUPED_MATMUL_TARGET in cuda
+
+
+def test_fold_backward_without_the_cutlass_kernels_is_jnp(case):
+    """Where the CUTLASS kernels are not built for the GPU, CUDA's backward is jnp."""
+    if backend.cutlass_built():
+        pytest.skip("the CUTLASS kernels run here")
+    cuda = _calls(_lowered(_fold_grads(case), *_grad_args(case), platform="cuda"))
+    assert _ext.GROUPED_MATMUL_TARGET not in cuda
+
+
+def _gemm_case(rng):
+    E, K, N, M = 4, 64, 48, 40
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(E, K, N)) / 8, jnp.bfloat16)
+    sizes = jnp.asarray([10, 0, 20, 10], jnp.int32)
+    return x, w, sizes
+
+
+def test_expert_matmul_auto_is_decided_at_lowering(cutlass):
+    """One function, two lowerings: the CUTLASS custom call (forward) and the
+    grouped GEMMs (backward) for CUDA; ragged_dot for the CPU."""
+    x, w, sizes = _gemm_case(np.random.default_rng(1))
+
+    def f(x, w):
+        return jnp.sum(ml.expert_matmul(x, w, sizes).astype(jnp.float32))
+
+    g = jax.value_and_grad(f, argnums=(0, 1))
+    cpu, cuda = (_lowered(g, x, w, platform=p) for p in ("cpu", "cuda"))
+    assert "dot_general" in cpu and not set(_calls(cpu)) & set(TARGETS)
+    assert {_ext.EXPERT_MATMUL_TARGET, _ext.GROUPED_MATMUL_TARGET} <= set(_calls(cuda))
+
+
+def test_block_grouped_gemm_follows_the_registry(cutlass):
+    from flax import nnx
+
+    from jax_moelora.nnx import MoEBlock
+
+    block = MoEBlock(64, 48, num_experts=4, top_k=2, family="qwen3", lora=False,
+                     dtype=jnp.bfloat16, gather_max_rows=8, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(16, 64)), jnp.bfloat16)
+    cpu, cuda = (_lowered(lambda x: block(x), x, platform=p) for p in ("cpu", "cuda"))
+    assert _ext.EXPERT_MATMUL_TARGET not in _calls(cpu)
+    assert _ext.EXPERT_MATMUL_TARGET in _calls(cuda)
+
+
+def test_take_rows_moves_words_for_cuda_only():
+    x = jnp.ones((8, 6), jnp.bfloat16)
+    ids = jnp.asarray([3, 1, 1], jnp.int32)
+    cpu, cuda = (_lowered(take_rows, x, ids, platform=p) for p in ("cpu", "cuda"))
+    assert "ui32" in cuda and "ui32" not in cpu
+
+
+def test_backends_reads_the_registry():
+    info = ml.backends()
+    assert info["kernels"] == backend.KERNELS
+    assert info["auto"] == backend.resolve_impl("auto") == info["impls"][0]
+    assert set(info["impls"]) <= set(backend.IMPLS) and "jnp" in info["impls"]
+
+
+def test_explicit_impl_is_checked_against_the_default_platform():
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert backend.check_impl("auto") == "auto"
+        assert backend.check_impl("cpu") == "cpu"
+        with pytest.raises(ValueError, match="needs the CUDA kernels on a GPU"):
+            backend.check_impl("fast")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        backend.check_impl("cuda")
