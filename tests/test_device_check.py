@@ -1,22 +1,33 @@
-"""``scripts/san_shard.sh``: the sanitizer runner of ``scripts/device_check.sh``
-resumes after the tool crashes, without the test it crashed in (run here with
-a stand-in ``compute-sanitizer``)."""
+"""The GPU check harness (``tools/gpu_check.py``), run here without a GPU: its
+sanitizer runner with a stand-in ``compute-sanitizer`` (resuming after the
+tool crashes, without the test it crashed in), the test queue plugin
+(``tools/san_queue.py``), the results archive written when a step or the
+budget runs out, and the commands its steps run (``--dry-run``)."""
 
 from __future__ import annotations
 
 import os
-import shutil
+import signal
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-NEEDS_BASH = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
-                                reason="needs bash and coreutils timeout")
+TOOLS = ROOT / "tools"
+sys.path.insert(0, str(TOOLS))
 
-# Stands in for `compute-sanitizer ... python3 -m pytest ...`: three tests, of
+import gpu_check  # noqa: E402  (tools/, not installed)
+import sanitizer  # noqa: E402
+from harness import TIMED_OUT, Harness  # noqa: E402
+from san_queue import claim, read_timings  # noqa: E402
+
+NEEDS_BASH = pytest.mark.skipif(sys.platform == "win32", reason="stand-in tools are bash scripts")
+
+# Stands in for `compute-sanitizer ... python -m pytest ...`: three tests, of
 # which test_b kills the process with SIGSEGV after its id is printed (as the
 # tool did on the GPU), unless it is deselected.
 FAKE_TOOL = r"""#!/usr/bin/env bash
@@ -32,49 +43,58 @@ echo "========= ERROR SUMMARY: 0 errors"
 """
 
 
-def _run_san_shard(tmp_path, tool_text: str, tool: str, done: str | None = None,
-                   **env_vars: str):
-    """``san_shard`` under the stand-in ``compute-sanitizer`` ``tool_text``
-    (``done``: the SAN_DONE list of earlier calls; ``env_vars``: more
-    environment); returns the run's stdout, the log's lines and the tool's
-    command lines, one per run."""
-    exe = tmp_path / "bin" / "compute-sanitizer"
-    exe.parent.mkdir()
-    exe.write_text(tool_text)
+def _stand_in(tmp_path: Path, name: str, text: str, monkeypatch=None) -> Path:
+    """An executable ``name`` of ``text`` in ``tmp_path/bin``, first on PATH
+    (with ``monkeypatch``); returns the folder."""
+    exe = tmp_path / "bin" / name
+    exe.parent.mkdir(exist_ok=True)
+    exe.write_text(text)
     exe.chmod(0o755)
-    log, calls = tmp_path / "san.log", tmp_path / "calls"
-    env = dict(os.environ, PATH=f"{exe.parent}:{os.environ['PATH']}", CALLS=str(calls), **env_vars)
+    if monkeypatch is not None:
+        monkeypatch.setenv("PATH", f"{exe.parent}{os.pathsep}{os.environ['PATH']}")
+    return exe.parent
+
+
+def _run_san_shard(tmp_path, monkeypatch, tool_text: str, tool: str, done: str | None = None,
+                   **settings):
+    """``san_shard`` under the stand-in ``compute-sanitizer`` ``tool_text``
+    (``done``: the list of tests checked before; ``settings``: the run's
+    ``xla_flags``, ``async_slices``); returns the log's lines and the tool's
+    command lines, one per run."""
+    _stand_in(tmp_path, "compute-sanitizer", tool_text, monkeypatch)
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("CALLS", str(calls))
+    done_file = None
     if done is not None:
-        (tmp_path / "done.txt").write_text(done)
-        env["SAN_DONE"] = str(tmp_path / "done.txt")
-    script = (f"ulimit -c 0; source {ROOT / 'scripts' / 'san_shard.sh'}; "
-              f"san_shard {log} 60 --tool {tool} -- tests/test_fake.py; "
-              f"echo errors=$(san_errors {log})")
-    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    return out.stdout, log.read_text().splitlines(), calls.read_text().splitlines()
+        done_file = tmp_path / "done.txt"
+        done_file.write_text(done)
+    h = Harness(tmp_path / "out", 120)
+    log = tmp_path / "san.log"
+    sanitizer.san_shard(h, sanitizer.SanRun(log, 60, ["--tool", tool], ["tests/test_fake.py"],
+                                            done=done_file, **settings))
+    return log.read_text().splitlines(), calls.read_text().splitlines()
 
 
 @NEEDS_BASH
-def test_san_shard_skips_the_test_the_tool_crashed_in(tmp_path):
-    stdout, lines, calls = _run_san_shard(tmp_path, FAKE_TOOL, "memcheck")
+def test_san_shard_skips_the_test_the_tool_crashed_in(tmp_path, monkeypatch):
+    lines, calls = _run_san_shard(tmp_path, monkeypatch, FAKE_TOOL, "memcheck")
     assert "CRASHED tests/test_fake.py::test_b" in lines      # on a line of its own
     assert sum("test_a PASSED" in ln for ln in lines) == 1     # not run again
     assert sum("test_c PASSED" in ln for ln in lines) == 1     # run after the crash
     assert len(calls) == 2
     assert "--deselect tests/test_fake.py::test_a" in calls[1]
     assert "--deselect tests/test_fake.py::test_b" in calls[1]
-    assert "errors=0" in stdout
+    assert "-p san_queue -m gpu tests/test_fake.py" in calls[0]
+    assert sanitizer.san_errors("\n".join(lines)) == 0
 
 
 @NEEDS_BASH
-def test_san_shard_deselects_the_tests_an_earlier_call_checked(tmp_path):
-    """SAN_DONE lists tests an earlier run checked under the tool: they
-    are deselected from the first run on (test_b, which crashes the stand-in,
-    among them: the run goes through)."""
+def test_san_shard_deselects_the_tests_checked_before(tmp_path, monkeypatch):
+    """The run's ``done`` file lists tests checked under the tool by earlier
+    runs: they are deselected from the first run on (test_b, which crashes the
+    stand-in, among them: the run goes through)."""
     done = "tests/test_fake.py::test_a\ntests/test_fake.py::test_b\n"
-    _, lines, calls = _run_san_shard(tmp_path, FAKE_TOOL, "memcheck", done=done)
+    lines, calls = _run_san_shard(tmp_path, monkeypatch, FAKE_TOOL, "memcheck", done=done)
     assert [ln.split()[0] for ln in lines if "PASSED" in ln] == ["tests/test_fake.py::test_c"]
     assert not any(ln.startswith("CRASHED") for ln in lines)
     (first,) = calls
@@ -104,10 +124,10 @@ exit $broken
 
 
 @NEEDS_BASH
-def test_san_shard_resumes_after_an_internal_tool_error(tmp_path):
+def test_san_shard_resumes_after_an_internal_tool_error(tmp_path, monkeypatch):
     """An internal error of the tool breaks the process: its test is logged as
     CRASHED, and the tests that failed after it run again without it."""
-    _, lines, calls = _run_san_shard(tmp_path, FAKE_TOOL_INTERNAL_ERROR, "racecheck")
+    lines, calls = _run_san_shard(tmp_path, monkeypatch, FAKE_TOOL_INTERNAL_ERROR, "racecheck")
     assert "CRASHED tests/test_fake.py::test_b" in lines
     assert [ln.split()[0] for ln in lines if "PASSED" in ln] == [
         "tests/test_fake.py::test_a", "tests/test_fake.py::test_c"]
@@ -123,28 +143,36 @@ FAKE_TOOL_FLAGS = r"""#!/usr/bin/env bash
 echo "$XLA_FLAGS" >> "$CALLS"
 echo "tests/test_fake.py::test_a PASSED [100%]"
 """
-ASYNC_SLICES_OFF = "--xla_disable_hlo_passes=dynamic-slice-copy-fusion-async-wrapper"
 
 
 @NEEDS_BASH
-@pytest.mark.parametrize("async_slices", [None, "1"])
-def test_san_shard_xla_flags(tmp_path, async_slices):
+@pytest.mark.parametrize("async_slices", [False, True])
+def test_san_shard_xla_flags(tmp_path, monkeypatch, async_slices):
     """Under every tool, XLA runs without command buffers or autotuning, in
     one compilation module, and with a loop's slices on the main stream, unless
-    SAN_ASYNC_SLICES=1; SAN_XLA_FLAGS comes last."""
-    env = {"SAN_XLA_FLAGS": "--xla_dump_to=/tmp/x"}
-    if async_slices:
-        env["SAN_ASYNC_SLICES"] = async_slices
-    _, _, (flags,) = _run_san_shard(tmp_path, FAKE_TOOL_FLAGS, "initcheck", **env)
+    ``async_slices``; the run's own XLA flags come last."""
+    _, (flags,) = _run_san_shard(tmp_path, monkeypatch, FAKE_TOOL_FLAGS, "initcheck",
+                                 xla_flags="--xla_dump_to=/tmp/x", async_slices=async_slices)
     words = flags.split()
     assert {"--xla_gpu_enable_command_buffer=", "--xla_gpu_autotune_level=0",
             "--xla_gpu_force_compilation_parallelism=1"} <= set(words)
-    assert (ASYNC_SLICES_OFF in words) == (async_slices is None)
+    assert (sanitizer.SLICES_ON_MAIN_STREAM in words) == (not async_slices)
     assert words[-1] == "--xla_dump_to=/tmp/x"
 
 
+def test_a_command_is_cut_at_its_timeout_with_what_it_started(tmp_path):
+    """A command over its time is killed with its process group: status 124."""
+    h = Harness(tmp_path / "out", 60)
+    pid_file = tmp_path / "pid"
+    t0 = time.monotonic()
+    rc = h.run(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], tmp_path / "log", 1)
+    assert rc == TIMED_OUT and time.monotonic() - t0 < 20
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)                 # the background sleep too
 
-# The work queue of the sanitizer runs (tests/conftest.py: --claim, --order,
+
+# The work queue of the sanitizer runs (tools/san_queue.py: --claim, --order,
 # --timings), on a file of quick tests that log which process ran them.
 QUEUE_TESTS = r"""
 import os, time
@@ -161,9 +189,9 @@ def test_q(k):
 
 def _queue_run(tmp_path, who: str, *args: str, env: dict | None = None) -> subprocess.Popen:
     env = dict(os.environ, RAN=str(tmp_path / "ran"), WHO=who, **(env or {}),
-               PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+               PYTHONPATH=f"{TOOLS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     return subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "san_queue",
          "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path / "test_queue.py"), *args],
         env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -196,12 +224,18 @@ def test_claimed_queue_runs_every_test_once(tmp_path):
     assert [int(t[7]) for _, t in _ran(tmp_path)] == [5, 6, 7, 0, 1, 2, 3, 4]   # from 8 * 2 // 3
 
 
+def test_shard_alone_keeps_every_nth_selected_test(tmp_path):
+    (tmp_path / "test_queue.py").write_text(QUEUE_TESTS)
+    p = _queue_run(tmp_path, "1", "--shard", "1/3", "-k", "not test_q[0]")
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0, out
+    assert [t for _, t in _ran(tmp_path)] == ["test_q[2]", "test_q[5]"]   # of 1..7: 2nd, 5th
+
+
 def test_claimed_queue_order_and_restart(tmp_path):
     """--order runs the longest test first, tests missing from the timings
-    before it (a header line of the timings skipped); a test claimed by another process is not run, one claimed by
-    this process (before a restart) is."""
-    from conftest import claim, read_timings
-
+    before it (a header line of the timings skipped); a test claimed by another
+    process is not run, one claimed by this process (before a restart) is."""
     (tmp_path / "test_queue.py").write_text(QUEUE_TESTS)
     ids = [f"test_queue.py::test_q[{k}]" for k in range(8)]
     order = tmp_path / "order.tsv"
@@ -233,12 +267,22 @@ def test_timings_give_a_failure_its_message(tmp_path):
     assert passed[1] == "passed" and len(passed) == 3
 
 
-@NEEDS_BASH
-def test_san_carry_folds_a_call_into_the_carried_lists(tmp_path):
-    """scripts/san_carry.sh: a call's done lists replace the carried ones (they
-    already include them), its seconds are appended."""
-    import tarfile
+def _cli(*args: str, env: dict | None = None, timeout: float = 200) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TOOLS / "gpu_check.py"), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
 
+
+def _results(out: Path) -> Path:
+    """The unpacked ``r/`` of ``out/results.tgz`` (the harness removed ``out/r``)."""
+    assert not (out / "r").exists()
+    with tarfile.open(out / "results.tgz") as tar:
+        tar.extractall(out / "unpacked", filter="data")
+    return out / "unpacked" / "r"
+
+
+def test_carry_folds_a_run_into_the_carried_lists(tmp_path):
+    """``gpu_check.py carry``: a run's done lists replace the carried ones (they
+    already include them), its seconds are appended."""
     r = tmp_path / "r"
     r.mkdir()
     (r / "sanall_done_memcheck.txt").write_text("tests/a.py::x\ntests/a.py::y\n")
@@ -249,9 +293,7 @@ def test_san_carry_folds_a_call_into_the_carried_lists(tmp_path):
     carried.mkdir()
     (carried / "memcheck.txt").write_text("tests/a.py::x\n")
     (carried / "memcheck_times.tsv").write_text("2.0\tpassed\ttests/a.py::x\n")
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "san_carry.sh"),
-                          str(tmp_path / "results.tgz"), str(carried)],
-                         capture_output=True, text=True, timeout=60)
+    out = _cli("carry", str(tmp_path / "results.tgz"), str(carried), timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "memcheck: 2 tests done"
     assert (carried / "memcheck.txt").read_text().split() == ["tests/a.py::x", "tests/a.py::y"]
@@ -259,10 +301,20 @@ def test_san_carry_folds_a_call_into_the_carried_lists(tmp_path):
         "2.0\tpassed\ttests/a.py::x", "1.5\tpassed\ttests/a.py::y"]
 
 
-# Stands in for compute-sanitizer in device_check.sh's sanruns step: logs its
-# options and the allocator setting, passes every test id it is given.
+def test_sanall_writes_the_lists_of_tests_done(tmp_path):
+    """The tests a run did not fail join those checked before."""
+    (tmp_path / "memcheck.txt").write_text("tests/a.py::old\n")
+    (tmp_path / "sanall_times_memcheck.tsv").write_text(
+        "1.0\tpassed\ttests/a.py::x\n2.0\tfailed\ttests/a.py::y\tboom\n3.0\tskipped\ttests/a.py::z\n")
+    done = sanitizer.write_done(tmp_path, "memcheck", tmp_path)
+    assert done.read_text().split() == ["tests/a.py::old", "tests/a.py::x", "tests/a.py::z"]
+
+
+# Stands in for compute-sanitizer in the sanruns step: logs its options and
+# the allocator setting, passes every test id it is given.
 RUNS_TOOL = r"""#!/usr/bin/env bash
-echo "options: ${*%% python3 *} allocator=${XLA_PYTHON_CLIENT_ALLOCATOR:-default}"
+echo "options: ${*%% -m pytest *} allocator=${XLA_PYTHON_CLIENT_ALLOCATOR:-default}"
+echo "xla: $XLA_FLAGS"
 for a in "$@"; do case "$a" in tests/*) echo "$a PASSED [ 50%]";; esac; done
 echo "========= ERROR SUMMARY: 0 errors"
 """
@@ -270,33 +322,134 @@ echo "========= ERROR SUMMARY: 0 errors"
 
 @NEEDS_BASH
 def test_sanruns_runs_each_line_in_its_own_process(tmp_path):
-    """STEPS=sanruns: every line of the SANRUNS files runs under the tool with
-    its own environment, options and test ids (brackets kept), one log each,
-    and a summary line of each in phases.log."""
-    exe = tmp_path / "bin" / "compute-sanitizer"
-    exe.parent.mkdir()
-    exe.write_text(RUNS_TOOL)
-    exe.chmod(0o755)
+    """``--steps sanruns``: every line of the ``--sanruns`` files runs under the
+    tool with its own environment, options and test ids (brackets kept), one
+    log each, and a summary line of each in phases.log."""
+    bin_dir = _stand_in(tmp_path, "compute-sanitizer", RUNS_TOOL)
     runs = tmp_path / "runs.tsv"
     runs.write_text("# a comment\n"
-                    "one\tXLA_PYTHON_CLIENT_ALLOCATOR=platform\t60\t--tool initcheck\t"
-                    "tests/test_a.py::test_x[bf16-r8] tests/test_a.py::test_y\n"
+                    "one\tXLA_PYTHON_CLIENT_ALLOCATOR=platform SAN_ASYNC_SLICES=1\t60\t"
+                    "--tool initcheck\ttests/test_a.py::test_x[bf16-r8] tests/test_a.py::test_y\n"
                     "two\t-\t60\t--tool racecheck --launch-count 5\ttests/test_b.py::test_z[*]\n")
     out = tmp_path / "out"
-    env = dict(os.environ, PATH=f"{exe.parent}:{os.environ['PATH']}", OUT=str(out),
-               STEPS="sanruns", SANRUNS=str(runs), BUDGET="100")
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "device_check.sh")], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=200)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    done = _cli("--out", str(out), "--steps", "sanruns", "--sanruns", str(runs),
+                "--budget", "100", env=env)
     assert done.returncode == 0, done.stderr
-    subprocess.run(["tar", "xzf", str(out / "results.tgz"), "-C", str(out)], check=True)
-    one = (out / "r" / "sanrun_one.log").read_text()
-    two = (out / "r" / "sanrun_two.log").read_text()
+    r = _results(out)
+    one, two = (r / "sanrun_one.log").read_text(), (r / "sanrun_two.log").read_text()
     assert "--tool initcheck" in one and "allocator=platform" in one
+    assert "--show-backtrace device" in one and "--print-limit 20" in one
     assert "tests/test_a.py::test_x[bf16-r8] PASSED" in one and "test_a.py::test_y PASSED" in one
+    assert sanitizer.SLICES_ON_MAIN_STREAM not in one            # SAN_ASYNC_SLICES=1
     assert "--tool racecheck --launch-count 5" in two and "allocator=default" in two
     assert "tests/test_b.py::test_z[*] PASSED" in two
-    summary = {ln.split()[1]: ln for ln in (out / "r" / "phases.log").read_text().splitlines()
+    assert sanitizer.SLICES_ON_MAIN_STREAM in two
+    phases = (r / "phases.log").read_text().splitlines()
+    summary = {ln.split()[1]: ln for ln in phases
                if ln.split()[1:2] and ln.split()[1].startswith("sanrun_")}
     assert sorted(summary) == ["sanrun_one:", "sanrun_two:"]
     assert all("ERROR SUMMARY: 0 errors" in ln and "error records: 0" in ln
                for ln in summary.values())
+    assert phases[-1] == "steps rc=0"
+
+
+# Stands in for a tool whose tests take a minute.
+SLOW_TOOL = r"""#!/usr/bin/env bash
+case "$1" in --version|--help) echo "compute-sanitizer 2025.3"; exit 0;; esac
+echo started
+exec sleep 60
+"""
+
+
+@NEEDS_BASH
+def test_results_are_written_when_the_budget_runs_out(tmp_path):
+    """A run cut by the budget still leaves its logs in results.tgz, with
+    ``steps rc=124``."""
+    bin_dir = _stand_in(tmp_path, "compute-sanitizer", SLOW_TOOL)
+    runs = tmp_path / "runs.tsv"
+    runs.write_text("slow\t-\t60\t--tool memcheck\ttests/test_a.py::test_x\n")
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    t0 = time.monotonic()
+    done = _cli("--out", str(out), "--steps", "sanruns,memcheck", "--sanruns", str(runs),
+                "--budget", "3", env=env)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - t0 < 60
+    r = _results(out)
+    assert "started" in (r / "sanrun_slow.log").read_text()
+    phases = (r / "phases.log").read_text()
+    assert "budget spent: memcheck" in phases
+    assert phases.splitlines()[-1] == "steps rc=124"
+
+
+@NEEDS_BASH
+def test_results_are_written_when_the_harness_is_stopped(tmp_path):
+    """SIGTERM to the harness: its commands are killed, the archive written."""
+    bin_dir = _stand_in(tmp_path, "compute-sanitizer", SLOW_TOOL)
+    runs = tmp_path / "runs.tsv"
+    runs.write_text("slow\t-\t60\t--tool memcheck\ttests/test_a.py::test_x\n")
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.Popen([sys.executable, str(TOOLS / "gpu_check.py"), "--out", str(out),
+                             "--steps", "sanruns", "--sanruns", str(runs)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = out / "r" / "sanrun_slow.log"
+    deadline = time.monotonic() + 60
+    while not (log.is_file() and "started" in log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stdout
+    phases = (_results(out) / "phases.log").read_text().splitlines()
+    assert any("stopped by signal 15" in ln for ln in phases)
+    assert phases[-1] == "steps rc=143"
+
+
+def _dry_run(tmp_path, *args: str) -> list[str]:
+    out = tmp_path / "out"
+    done = _cli("--out", str(out), "--dry-run", *args, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return (_results(out) / "phases.log").read_text().splitlines()
+
+
+def test_dry_run_lists_the_commands_of_the_steps_in_order(tmp_path):
+    """``--steps build,suite,train,peer --tests=...``: the build, then the steps
+    in their fixed order, each with its arguments."""
+    lines = _dry_run(tmp_path, "--steps", "peer,suite,train,build",
+                     "--tests=tests/test_folds.py -k fast", "--train=--quick --models qwen")
+    commands = [ln for ln in lines if ln.startswith("$ ")]
+    assert [ln.split("] ")[1] for ln in lines if ln.startswith("[") and " rc=" in ln] == [
+        "build rc=0", "train rc=0", "peer rc=0", "suite rc=0"]
+    assert any("pip install --no-build-isolation --no-deps -v ." in c for c in commands)
+    assert any(c.endswith("-n 8 -rf tests/test_folds.py -k fast > " + str(
+        tmp_path / "out" / "r" / "suite.log")) for c in commands)
+    assert any("jax_moelora bench --train --quick --models qwen --out" in c for c in commands)
+    assert any("scripts/peft_train_peer.py --models qwen --tokens 512,4096 --rank 16 --json"
+               in c for c in commands)
+
+
+def test_dry_run_of_sanall_spreads_the_processes_over_one_queue(tmp_path):
+    lines = _dry_run(tmp_path, "--steps", "sanall", "--sanall-tools", "memcheck,initcheck",
+                     "--sanall-n", "2", "--sanall-kernels", "moelora")
+    runs = [ln for ln in lines if ln.startswith("$ ") and "-m pytest" in ln]
+    assert len(runs) == 4
+    memcheck = [ln for ln in runs if "--tool memcheck" in ln]
+    initcheck = [ln for ln in runs if "--tool initcheck" in ln]
+    assert all("--kernel-name regex=moelora" in ln for ln in memcheck)
+    assert all("--kernel-name" not in ln and "--check-api-memory-access no" in ln
+               and "XLA_PYTHON_CLIENT_ALLOCATOR=platform" in ln for ln in initcheck)
+    assert all(f"--shard={i}/2 --claim=/tmp/moelora_claims/memcheck" in memcheck[i]
+               for i in range(2))
+    assert all("-p san_queue -m gpu" in ln for ln in runs)
+
+
+def test_unknown_step_is_refused(tmp_path):
+    done = _cli("--out", str(tmp_path), "--steps", "build,bogus", timeout=60)
+    assert done.returncode == 2 and "bogus" in done.stderr
+
+
+def test_readme_command_skips_the_download_step():
+    cmd = gpu_check.readme_command(ROOT / "README.md")
+    assert cmd is not None and cmd.startswith("python3 -m pip install --no-build-isolation")
+    assert "jax_moelora demo" in cmd
