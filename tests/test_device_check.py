@@ -453,3 +453,12 @@ def test_readme_command_skips_the_download_step():
     cmd = gpu_check.readme_command(ROOT / "README.md")
     assert cmd is not None and cmd.startswith("python3 -m pip install --no-build-isolation")
     assert "jax_moelora demo" in cmd
+
+
+def test_a_step_that_fails_leaves_the_next_steps_running(tmp_path):
+    runs = tmp_path / "runs.tsv"
+    runs.write_text("bad\t-\tsoon\t--tool memcheck\ttests/test_a.py::test_x\n")
+    lines = _dry_run(tmp_path, "--steps", "sanruns,memcheck", "--sanruns", str(runs))
+    assert any("sanruns failed: ValueError" in ln for ln in lines)
+    assert any(ln.endswith("] memcheck done") for ln in lines)
+    assert lines[-1] == "steps rc=0"

@@ -58,7 +58,7 @@ def test_importing_the_library_loads_no_tool():
     dependencies are missing aside): ``jax_moelora.tools`` stays unloaded."""
     script = (
         "import importlib, json, sys\n"
-        f"skipped = []\n"
+        "skipped = []\n"
         f"for name in {sorted(library_modules())!r}:\n"
         "    try:\n"
         "        importlib.import_module(name)\n"

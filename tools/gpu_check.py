@@ -6,12 +6,21 @@ with the test suite).
     python3 tools/gpu_check.py --out DIR [--steps build,bench,...] [options]
     python3 tools/gpu_check.py carry RESULTS_TGZ [FOLDER]
 
-Run it from the repository root. Every log lands in ``DIR/r/``, archived as
-``DIR/results.tgz`` when the harness ends, also when a step overruns: the
-steps get ``--budget`` seconds in all (default 560), and each step has its own
-timeout too. ``phases.log`` has a line per step and its exit status (124: cut
-at its timeout), and ``steps rc=<status>`` at its end (124: the budget ran
-out).
+For example, the build, the suite on the fast kernels' fold tests, the
+training benchmark and its transformers + peft peer::
+
+    python3 tools/gpu_check.py --out "$OUT" --steps build,suite,train,peer
+        --tests="tests/test_folds.py -k fast"
+
+(one command line). ``python3 tools/gpu_check.py --help`` lists the steps and
+their options. The steps run in the repository root (the folder above this
+one), with ``python3``'s standard library and what the project installs.
+
+Every log lands in ``DIR/r/``, archived as ``DIR/results.tgz`` when the
+harness ends, also when a step overruns: the steps get ``--budget`` seconds in
+all (default 560), and each step has its own timeout too. ``phases.log`` has
+a line per step and its exit status (124: cut at its timeout), and ``steps
+rc=<status>`` at its end (124: the budget ran out).
 
 A GPU machine without network takes the CUTLASS headers of ``expert_matmul``
 from the nvidia-cutlass wheel in ``--wheels`` (default ``.whl/``; ``pip
@@ -34,6 +43,7 @@ import re
 import signal
 import sys
 import textwrap
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -280,7 +290,8 @@ def scaling(h: Harness, a: argparse.Namespace) -> None:
 
 
 def run_steps(h: Harness, a: argparse.Namespace) -> int:
-    """``nvidia-smi`` into ``nvidia-smi.txt``, then the chosen steps in order;
+    """``nvidia-smi`` into ``nvidia-smi.txt``, then the chosen steps in order
+    (a step that raises is logged with its error, and the next one runs);
     returns 0, or 124 when the budget ran out."""
     h.run(["nvidia-smi"], h.r / "nvidia-smi.txt", 60)
     for name, fn in STEPS.items():
@@ -291,6 +302,9 @@ def run_steps(h: Harness, a: argparse.Namespace) -> int:
         except BudgetSpent:
             h.step(f"budget spent: {name} and the steps after it cut")
             return TIMED_OUT
+        except Exception as err:  # a bad option value or file: the other steps still run
+            h.step(f"{name} failed: {err!r}")
+            h.note(traceback.format_exc())
     if h.budget_cut:
         h.step("budget spent: the last step cut")
         return TIMED_OUT
@@ -298,8 +312,9 @@ def run_steps(h: Harness, a: argparse.Namespace) -> int:
     return 0
 
 
-class _Stopped(Exception):
-    """The harness got SIGTERM (or SIGINT)."""
+class _Stopped(BaseException):
+    """The harness got SIGTERM (or SIGINT); a BaseException, as KeyboardInterrupt,
+    so that no step's error handling stops it."""
 
 
 def _stop(signum: int, _frame) -> None:
@@ -361,7 +376,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
 def parser() -> argparse.ArgumentParser:
     """The harness' options (``carry`` has its own: :func:`carry_parser`)."""
     p = argparse.ArgumentParser(
-        prog="python3 tools/gpu_check.py", description=__doc__.split("\n\n")[0],
+        prog="python3 tools/gpu_check.py", description=__doc__.replace("``", ""),
         epilog=_steps_help(), formatter_class=_Formatter)
     p.add_argument("--out", required=True, help="the folder of r/ and results.tgz")
     p.add_argument("--steps", type=_names(STEPS), default=DEFAULT_STEPS,

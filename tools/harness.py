@@ -47,6 +47,7 @@ class Harness:
         self.deadline = self.t0 + budget
         self.dry_run = dry_run
         self.budget_cut = False
+        self.stopping = False
         self._lock = threading.Lock()
         self._running: set[subprocess.Popen] = set()
 
@@ -57,9 +58,9 @@ class Harness:
 
     def seconds(self, limit: float) -> float:
         """``limit`` or what is left of the budget, whichever is less; raises
-        :class:`BudgetSpent` when nothing is left."""
+        :class:`BudgetSpent` when nothing is left (or the harness is stopping)."""
         left = self.remaining()
-        if left <= 0:
+        if left <= 0 or self.stopping:
             self.budget_cut = True
             raise BudgetSpent
         return min(limit, left)
@@ -116,7 +117,8 @@ class Harness:
         return 128 - rc if rc < 0 else rc
 
     def kill_all(self) -> None:
-        """Kill every command still running (the harness is stopping)."""
+        """Kill every command still running and start no other (the harness is stopping)."""
+        self.stopping = True
         with self._lock:
             running = list(self._running)
         for proc in running:

@@ -150,7 +150,7 @@ def run_all(h: Harness, runs: Iterable[SanRun]) -> None:
         except BudgetSpent:
             pass
 
-    threads = [threading.Thread(target=run_one, args=(run,)) for run in runs]
+    threads = [threading.Thread(target=run_one, args=(run,), daemon=True) for run in runs]
     for t in threads:
         t.start()
     for t in threads:
