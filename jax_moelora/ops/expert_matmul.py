@@ -408,6 +408,81 @@ def _ragged_f32_vjp(xs, w, offsets, g):
 _ragged_vjp = batching.sequential(_ragged_f32_vjp)
 
 
+def _rows(xshape, dtype, x_gather, wshape, group_sizes, sorted_token_ids) -> tuple[int, int]:
+    """``(M, num_tokens)``, the sorted rows and the tokens, after checking
+    ``x``, ``x_gather``, ``w``'s shape against ``x``, ``group_sizes`` and
+    ``sorted_token_ids``."""
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"expert_matmul: x dtype must be bf16, f16 or f32, got {dtype}")
+    if len(xshape) != 2:
+        raise ValueError(f"expert_matmul: x must be 2-D [rows, K], got shape {xshape}")
+    if x_gather not in (0, 1) or isinstance(x_gather, (bool, float)):
+        raise ValueError(f"expert_matmul: x_gather must be 0 or 1, got {x_gather!r}")
+    E, K, N = wshape
+    if K != xshape[1]:
+        raise ValueError(f"expert_matmul: x has {xshape[1]} columns but w has K = {K}")
+    if E < 1 or N < 1:
+        raise ValueError(f"expert_matmul: w has no experts or no columns (shape {wshape})")
+    ng = _int_vector("group_sizes", group_sizes)
+    if ng != E:
+        raise ValueError(f"expert_matmul: group_sizes has {ng} entries, w has {E} experts")
+    if x_gather:
+        if sorted_token_ids is None:
+            raise ValueError("expert_matmul: x_gather=1 needs sorted_token_ids")
+        M, num_tokens = _int_vector("sorted_token_ids", sorted_token_ids), xshape[0]
+    else:
+        M = num_tokens = xshape[0]
+        if sorted_token_ids is not None:
+            ns = _int_vector("sorted_token_ids", sorted_token_ids)
+            if ns != M:
+                raise ValueError(f"expert_matmul: sorted_token_ids has {ns} entries, x has {M} rows")
+    if M == 0 or num_tokens == 0:
+        raise ValueError(f"expert_matmul: no rows (x shape {xshape}, {M} sorted rows)")
+    return M, num_tokens
+
+
+def _check_options(pair: bool, glu: bool, stacked: bool, impl: str, schedule: str) -> None:
+    if glu and not pair:
+        raise ValueError("expert_matmul: glu=True needs a gate/up pair of weights")
+    if stacked and (not pair or glu):
+        raise ValueError("expert_matmul: stacked=True needs a gate/up pair of weights and "
+                         "glu=False")
+    if impl not in EXPERT_MATMUL_IMPLS:
+        raise ValueError(f"expert_matmul: impl must be one of {EXPERT_MATMUL_IMPLS}, got {impl!r}")
+    if schedule not in EXPERT_MATMUL_SCHEDULES:
+        raise ValueError(f"expert_matmul: schedule must be one of {EXPERT_MATMUL_SCHEDULES}, "
+                         f"got {schedule!r}")
+
+
+def _check_row_adapter(row_adapter, num_tokens: int, per_token: bool) -> None:
+    """``row_adapter`` int32 ``[num_tokens]`` when it is read per token."""
+    if row_adapter is None:
+        return
+    nr = _int_vector("row_adapter", row_adapter)
+    if nr == 0:
+        raise ValueError("expert_matmul: row_adapter is empty")
+    if per_token and nr != num_tokens:
+        raise ValueError(f"expert_matmul: row_adapter has {nr} entries, there are "
+                         f"{num_tokens} tokens")
+
+
+def _sorted_rows(x, M: int, num_tokens: int, x_gather: int, sorted_token_ids, row_adapter,
+                 has_lora: bool):
+    """``(xs [M, K], stids int32 [M], row-adapter map or None)``: the rows
+    the GEMM reads (``x_gather=1``: gathered, zero for a token outside
+    ``[0, num_tokens)``, which a map of zeros then keeps from folding)."""
+    stids = (jnp.arange(M, dtype=jnp.int32) if sorted_token_ids is None
+             else jnp.asarray(sorted_token_ids))
+    xs = x
+    if x_gather:
+        ok = (stids >= 0) & (stids < num_tokens)
+        xs = jnp.where(ok[:, None], jnp.take(x, jnp.clip(stids, 0, num_tokens - 1), axis=0),
+                       jnp.zeros((), x.dtype))
+        if row_adapter is None and has_lora:
+            row_adapter = jnp.zeros((num_tokens,), jnp.int32)
+    return xs, stids, (row_adapter if (has_lora and row_adapter is not None) else None)
+
+
 # ---- public op ---------------------------------------------------------------------------------
 
 def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes: jax.Array, *,
@@ -460,68 +535,18 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
       ``[2, M, N]`` when ``stacked``, or the GLU ``[M, N]`` when ``glu``.
     """
     xshape, dtype = _array("x", x)
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"expert_matmul: x dtype must be bf16, f16 or f32, got {dtype}")
-    if len(xshape) != 2:
-        raise ValueError(f"expert_matmul: x must be 2-D [rows, K], got shape {xshape}")
-    if x_gather not in (0, 1) or isinstance(x_gather, (bool, float)):
-        raise ValueError(f"expert_matmul: x_gather must be 0 or 1, got {x_gather!r}")
     ws, pair = _weights(w, dtype)
     E, K, N = ws[0].shape
-    if K != xshape[1]:
-        raise ValueError(f"expert_matmul: x has {xshape[1]} columns but w has K = {K}")
-    if E < 1 or N < 1:
-        raise ValueError(f"expert_matmul: w has no experts or no columns (shape {ws[0].shape})")
-    ng = _int_vector("group_sizes", group_sizes)
-    if ng != E:
-        raise ValueError(f"expert_matmul: group_sizes has {ng} entries, w has {E} experts")
-    if x_gather:
-        if sorted_token_ids is None:
-            raise ValueError("expert_matmul: x_gather=1 needs sorted_token_ids")
-        M = _int_vector("sorted_token_ids", sorted_token_ids)
-        num_tokens = xshape[0]
-    else:
-        M = num_tokens = xshape[0]
-        if sorted_token_ids is not None:
-            ns = _int_vector("sorted_token_ids", sorted_token_ids)
-            if ns != M:
-                raise ValueError(f"expert_matmul: sorted_token_ids has {ns} entries, x has {M} rows")
-    if M == 0 or num_tokens == 0:
-        raise ValueError(f"expert_matmul: no rows (x shape {xshape}, {M} sorted rows)")
-    if glu and not pair:
-        raise ValueError("expert_matmul: glu=True needs a gate/up pair of weights")
-    if stacked and (not pair or glu):
-        raise ValueError("expert_matmul: stacked=True needs a gate/up pair of weights and "
-                         "glu=False")
+    M, num_tokens = _rows(xshape, dtype, x_gather, ws[0].shape, group_sizes, sorted_token_ids)
+    _check_options(pair, glu, stacked, impl, schedule)
     routes = _routes(lora, pair, dtype, E, K, N)
     has_lora = any(r is not None for r in routes)
-    if row_adapter is not None:
-        nr = _int_vector("row_adapter", row_adapter)
-        if nr == 0:
-            raise ValueError("expert_matmul: row_adapter is empty")
-        if (x_gather or sorted_token_ids is None) and nr != num_tokens:
-            raise ValueError(f"expert_matmul: row_adapter has {nr} entries, there are "
-                             f"{num_tokens} tokens")
-    if impl not in EXPERT_MATMUL_IMPLS:
-        raise ValueError(f"expert_matmul: impl must be one of {EXPERT_MATMUL_IMPLS}, got {impl!r}")
-    if schedule not in EXPERT_MATMUL_SCHEDULES:
-        raise ValueError(f"expert_matmul: schedule must be one of {EXPERT_MATMUL_SCHEDULES}, "
-                         f"got {schedule!r}")
+    _check_row_adapter(row_adapter, num_tokens, x_gather or sorted_token_ids is None)
     gather = gather_rows_limit(E, gather_max_rows) >= M
     impl = backend.check_impl(impl)  # "auto": decided at lowering
 
-    stids = (jnp.arange(M, dtype=jnp.int32) if sorted_token_ids is None
-             else jnp.asarray(sorted_token_ids))
-    if x_gather:
-        ok = (stids >= 0) & (stids < num_tokens)
-        xs = jnp.where(ok[:, None], jnp.take(x, jnp.clip(stids, 0, num_tokens - 1), axis=0),
-                       jnp.zeros((), dtype))
-        # Tokens outside [0, num_tokens) fold nothing: a map makes the fold check them.
-        if row_adapter is None and has_lora:
-            row_adapter = jnp.zeros((num_tokens,), jnp.int32)
-    else:
-        xs = x
-    ra = row_adapter if (has_lora and row_adapter is not None) else None
+    xs, stids, ra = _sorted_rows(x, M, num_tokens, x_gather, sorted_token_ids, row_adapter,
+                                 has_lora)
     offsets = expert_offsets(group_sizes, M)
     routes = tuple(None if r is None else jax.tree_util.tree_map(jnp.asarray, r) for r in routes)
     cfg = _Cfg(impl, ra is not None, launch.programmatic_launch_enabled(), gather,
@@ -530,9 +555,7 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
     out = _op(cfg)(xs, tuple(ws), offsets, stids, routes, ra_arg)  # [len(ws), M, N]
     if not pair:
         return out[0]
-    if stacked:
-        return out
     if glu:
         g, u = out[0].astype(_F32), out[1].astype(_F32)
         return (jax.nn.silu(g) * u).astype(dtype)
-    return out[0], out[1]
+    return out if stacked else (out[0], out[1])
