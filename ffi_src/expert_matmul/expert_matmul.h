@@ -43,16 +43,22 @@ struct ExpertGemmArgs {
   int sm_count;
 };
 
-// One kernel per dtype and schedule (expert_matmul_<dtype>_<schedule>.cu):
+// A kernel table entry of the library's CUTLASS grouped GEMMs (one per dtype
+// and configuration, each in a translation unit of its own):
 //   scratch_bytes: bytes of scratch for `num_groups` problems on `sm_count`
 //     SMs (pointer/shape/stride arrays, then CUTLASS's workspace);
-//   run: builds the problem arrays on the device, zeroes the rows past
-//     offsets[E], and runs the CUTLASS grouped GEMM; no host synchronisation,
-//     no allocation.
-struct ExpertGemmKernel {
+//   run: writes the problem arrays on the device, zeroes what no problem
+//     writes, and runs the CUTLASS grouped GEMM; no host synchronisation, no
+//     allocation.
+template <class Args>
+struct GemmKernel {
   int64_t (*scratch_bytes)(int64_t num_groups, int sm_count);
-  cudaError_t (*run)(const ExpertGemmArgs& args, cudaStream_t stream);
+  cudaError_t (*run)(const Args& args, cudaStream_t stream);
 };
+
+// expert_matmul's kernels, per dtype and schedule (expert_matmul_<dtype>_<schedule>.cu;
+// the rows past offsets[E] are the ones zeroed).
+using ExpertGemmKernel = GemmKernel<ExpertGemmArgs>;
 extern const ExpertGemmKernel kExpertGemmBf16Cooperative, kExpertGemmBf16Pingpong,
     kExpertGemmF16Cooperative, kExpertGemmF16Pingpong;
 

@@ -41,6 +41,7 @@
 #include <cstdint>
 
 #include "cuda_common.cuh"
+#include "expert_matmul.h"
 #include "moelora_constants.h"
 
 namespace moelora {
@@ -66,15 +67,9 @@ struct GroupedMatmulArgs {
   int sm_count;
 };
 
-// One kernel per dtype and mode (grouped_matmul_<dtype>_<mode>.cu):
-//   scratch_bytes: bytes of scratch for `groups` problems on `sm_count` SMs;
-//   run: writes the problems on the device, zeroes the rows or groups no
-//     problem writes, and runs the CUTLASS grouped GEMM; no host
-//     synchronisation, no allocation.
-struct GroupedMatmulKernel {
-  int64_t (*scratch_bytes)(int64_t groups, int sm_count);
-  cudaError_t (*run)(const GroupedMatmulArgs& args, cudaStream_t stream);
-};
+// grouped_matmul's kernels, per dtype and mode (grouped_matmul_<dtype>_<mode>.cu;
+// GemmKernel in expert_matmul.h).
+using GroupedMatmulKernel = GemmKernel<GroupedMatmulArgs>;
 extern const GroupedMatmulKernel kGroupedMatmulBf16Gmm, kGroupedMatmulBf16GmmRhsT,
     kGroupedMatmulBf16Tgmm, kGroupedMatmulF16Gmm, kGroupedMatmulF16GmmRhsT,
     kGroupedMatmulF16Tgmm;
