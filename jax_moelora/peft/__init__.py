@@ -14,7 +14,9 @@ peft loads.
   ``target_parameters`` (both factor orders: peft <= 0.19.0 and >= 0.19.1),
   shared experts.
 - ``save_peft_adapter`` (``writer.py``) writes the layout peft 0.21 loads
-  into a transformers 5 model (default), or transformers-4 per-expert modules.
+  into a transformers 5 model (default), or transformers-4 per-expert modules
+  under the model family's names (``family=``); ``write_layouts.py`` holds
+  the tensors and targets of each.
 
 Every malformed input raises :class:`AdapterFormatError` (a ``ValueError``)
 naming the file or key. ``tests/fixtures/peft/`` holds adapters made by real

@@ -281,6 +281,25 @@ def read_fused_experts(group: Sequence[tuple[int, Pair]], config: Mapping[str, A
     usual orientation.
     """
     pairs = [p for _, p in sorted(group, key=lambda dp: dp[0])]
+    params = _fused_params(pairs, config)
+    readings = _readings(pairs, params, config, experts_path, widths, lora_a_reads)
+    rd = _one_reading(readings, pairs, params, widths)
+    out = []
+    for pair, param in zip(pairs, rd.params):
+        r, scale = rank_and_scale(config, f"{experts_path}.{param}")
+        E = rd.experts
+        a3 = pair.a.reshape(E, r, pair.a.shape[1])  # [E, r, a_width]
+        b3 = np.transpose(pair.b.reshape(pair.b.shape[0], r, E), (2, 0, 1))  # [E, b_width, r]
+        if not rd.lora_a_reads_input:
+            # delta_e = A_e^T B_e^T as a map from inputs to outputs: A' = B_e^T, B' = A_e^T
+            a3, b3 = np.transpose(b3, (0, 2, 1)), np.transpose(a3, (0, 2, 1))
+        out.append((param, a3, b3, scale, pair.key_a))
+    return out
+
+
+def _fused_params(pairs: Sequence[Pair], config: Mapping[str, Any]) -> list[str]:
+    """The config's fused expert parameters, after checking the pairs are 2-D
+    with matching ranks and as many as those parameters."""
     keys = [p.key_a for p in pairs]
     for p in pairs:
         if p.a.ndim != 2 or p.b.ndim != 2:
@@ -300,7 +319,14 @@ def read_fused_experts(group: Sequence[tuple[int, Pair]], config: Mapping[str, A
         raise AdapterFormatError(
             f"keys {keys} hold {len(pairs)} nested target_parameters pair(s), but "
             f"adapter_config.json lists {len(params)} expert parameter(s): {params}")
-    readings = _readings(pairs, params, config, experts_path, widths, lora_a_reads)
+    return params
+
+
+def _one_reading(readings: Sequence[_Reading], pairs: Sequence[Pair], params: Sequence[str],
+                 widths: Widths) -> _Reading:
+    """The one reading the shapes and widths allow, or the error that says
+    what is missing (none fits; several do; the experts disagree)."""
+    keys = [p.key_a for p in pairs]
     if not readings:
         shapes = [(p.a.shape, p.b.shape) for p in pairs]
         raise AdapterFormatError(
@@ -322,14 +348,4 @@ def read_fused_experts(group: Sequence[tuple[int, Pair]], config: Mapping[str, A
     if widths.num_experts is not None and rd.experts != widths.num_experts:
         raise AdapterFormatError(f"shape mismatch: key {keys[0]!r} holds {rd.experts} experts, "
                                  f"the model has {widths.num_experts}")
-    out = []
-    for pair, param in zip(pairs, rd.params):
-        r, scale = rank_and_scale(config, f"{experts_path}.{param}")
-        E = rd.experts
-        a3 = pair.a.reshape(E, r, pair.a.shape[1])  # [E, r, a_width]
-        b3 = np.transpose(pair.b.reshape(pair.b.shape[0], r, E), (2, 0, 1))  # [E, b_width, r]
-        if not rd.lora_a_reads_input:
-            # delta_e = A_e^T B_e^T as a map from inputs to outputs: A' = B_e^T, B' = A_e^T
-            a3, b3 = np.transpose(b3, (0, 2, 1)), np.transpose(a3, (0, 2, 1))
-        out.append((param, a3, b3, scale, pair.key_a))
-    return out
+    return rd

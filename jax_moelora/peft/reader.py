@@ -144,9 +144,29 @@ def load_peft_adapter(path: str | os.PathLike, *, name: str | None = None,
     weights = folder / WEIGHTS_NAME
     tensors, dtype = _read_tensors(weights)
     widths = Widths(num_experts, hidden_size, intermediate_size)
+    pairs, skipped = _pairs(tensors)
+    if not pairs:
+        raise AdapterFormatError(
+            f"no LoRA pair: {weights} holds no lora_A/lora_B tensor of an MoE block (router, "
+            f"experts or shared experts) ({len(tensors)} key(s), e.g. {sorted(tensors)[:3]}); "
+            "it would serve the base model under the adapter's name")
+    found = _Found(num_experts)
+    fused = _read_modules(pairs, config, widths, found)
+    _read_fused(fused, config, widths, lora_a_reads, gate_up_split, found)
+    layers, shared = found.projections()
+    return PeftAdapter(name=name or folder.name, path=str(folder), config=config, layers=layers,
+                       skipped_keys=tuple(sorted(skipped)), dtype=dtype, shared_experts=shared,
+                       layout="+".join(sorted(found.layouts)))
 
+
+PairKey = tuple[int, str, str]  # (layer, block path, module under the block)
+
+
+def _pairs(tensors: dict[str, np.ndarray | None]) -> tuple[dict[PairKey, Pair], list[str]]:
+    """The MoE LoRA tensors matched into ``lora_A`` / ``lora_B`` pairs by
+    module, and the keys skipped (outside the MoE blocks)."""
     skipped: list[str] = []
-    pairs: dict[tuple[int, str, str], Pair] = {}  # (layer, block path, rest) -> pair
+    pairs: dict[PairKey, Pair] = {}
     for key, t in tensors.items():
         m = _KEY.match(key)
         if t is None or m is None:
@@ -163,28 +183,51 @@ def load_peft_adapter(path: str | os.PathLike, *, name: str | None = None,
             pair.key_a, pair.a = key, t
         else:
             pair.key_b, pair.b = key, t
-    if not pairs:
-        raise AdapterFormatError(
-            f"no LoRA pair: {weights} holds no lora_A/lora_B tensor of an MoE block (router, "
-            f"experts or shared experts) ({len(tensors)} key(s), e.g. {sorted(tensors)[:3]}); "
-            "it would serve the base model under the adapter's name")
+    return pairs, skipped
 
-    routed: dict[tuple[int, str], dict[int, tuple]] = {}
-    shared: dict[tuple[int, str], dict[int, tuple]] = {}
-    used: set[str] = set()
 
-    def add(layer: int, proj: str, expert: int, factors, *, into=routed) -> None:
+class _Found:
+    """The pairs read so far: ``(layer, projection) -> {expert: (A, B, scale,
+    key)}`` of the routed experts and router, and of the shared experts; the
+    layouts seen."""
+
+    def __init__(self, num_experts: int | None):
+        self.num_experts = num_experts
+        self.routed: dict[tuple[int, str], dict[int, tuple]] = {}
+        self.shared: dict[tuple[int, str], dict[int, tuple]] = {}
+        self.layouts: set[str] = set()
+
+    def add(self, layer: int, proj: str, expert: int, factors, *, shared: bool = False) -> None:
         a, b, scale, key = factors
-        if (into is routed and num_experts is not None and proj != "router"
-                and not 0 <= expert < num_experts):
+        if (not shared and self.num_experts is not None and proj != "router"
+                and not 0 <= expert < self.num_experts):
             raise AdapterFormatError(f"expert id out of range: key {key!r} adapts expert "
-                                     f"{expert}, the model has {num_experts} experts")
-        slot = into.setdefault((layer, proj), {})
+                                     f"{expert}, the model has {self.num_experts} experts")
+        slot = (self.shared if shared else self.routed).setdefault((layer, proj), {})
         if expert in slot:
             raise AdapterFormatError(f"key {key!r} adapts layer {layer} {proj} expert {expert}, "
                                      f"which {slot[expert][3]!r} already adapts")
         slot[expert] = (np.ascontiguousarray(a), np.ascontiguousarray(b), scale, key)
 
+    def projections(self) -> tuple[dict, dict]:
+        """``(layers, shared_experts)`` as ``{layer: {projection: ProjectionLoRA}}``."""
+        layers: dict[int, dict[str, ProjectionLoRA]] = {}
+        for (layer, proj), slot in sorted(self.routed.items(), key=lambda kv: (
+                kv[0][0], PROJECTIONS.index(kv[0][1]))):
+            n = 1 if proj == "router" else self.num_experts
+            layers.setdefault(layer, {})[proj] = ProjectionLoRA.from_pairs(slot, n_experts=n)
+        shared: dict[int, dict[str, ProjectionLoRA]] = {}
+        for (layer, proj), slot in sorted(self.shared.items(), key=lambda kv: (
+                kv[0][0], SHARED_PROJECTIONS.index(kv[0][1]))):
+            shared.setdefault(layer, {})[proj] = ProjectionLoRA.from_pairs(slot, n_experts=1)
+        return layers, shared
+
+
+def _read_modules(pairs: dict[PairKey, Pair], config, widths: Widths,
+                  found: _Found) -> dict[tuple[int, str], list[tuple[int, Pair]]]:
+    """Each pair through its layout's reader (router, shared expert, per-expert
+    module) into ``found``; returns the fused experts' pairs by ``(layer,
+    experts path)`` with their ``base_layer`` depth, read together later."""
     fused: dict[tuple[int, str], list[tuple[int, Pair]]] = {}
     for (layer, block_path, rest), pair in sorted(pairs.items(), key=lambda kv: kv[0]):
         if pair.a is None or pair.b is None:
@@ -194,28 +237,33 @@ def load_peft_adapter(path: str | os.PathLike, *, name: str | None = None,
         module_path = f"{block_path}.{rest}"
         parts = rest.split(".")
         if rest in _ROUTERS:
-            add(layer, "router", 0, layouts.read_router(
+            found.add(layer, "router", 0, layouts.read_router(
                 pair, config, _weight_name(module_path, config), widths))
-            used.add("router")
+            found.layouts.add("router")
         elif parts[0] in _SHARED:
             if len(parts) != 2:
                 raise AdapterFormatError(f"unknown projection: key {pair.key_a!r} is under "
                                          f"{parts[0]} but matches no known layout")
             proj, factors = layouts.read_shared_expert(
-                pair, config, _weight_name(module_path, config), parts[1], hidden_size)
-            add(layer, proj, 0, factors, into=shared)
-            used.add("shared_expert")
+                pair, config, _weight_name(module_path, config), parts[1], widths.hidden)
+            found.add(layer, proj, 0, factors, shared=True)
+            found.layouts.add("shared_expert")
         elif len(parts) == 3 and parts[1].isdigit():
-            proj, (a, b, scale, key) = layouts.read_per_expert(
-                pair, config, module_path, parts[2], widths)
-            add(layer, proj, int(parts[1]), (a, b, scale, key))
-            used.add("per_expert")
+            proj, factors = layouts.read_per_expert(pair, config, module_path, parts[2], widths)
+            found.add(layer, proj, int(parts[1]), factors)
+            found.layouts.add("per_expert")
         elif all(p == "base_layer" for p in parts[1:]):
             fused.setdefault((layer, f"{block_path}.experts"), []).append((len(parts) - 1, pair))
         else:
             raise AdapterFormatError(f"unknown projection: key {pair.key_a!r} is under experts "
                                      "but matches no known layout")
+    return fused
 
+
+def _read_fused(fused, config, widths: Widths, lora_a_reads: str, gate_up_split: str,
+                found: _Found) -> None:
+    """The fused expert parameters of each layer (``layouts.read_fused_experts``)
+    into ``found``, a fused ``gate_up_proj`` split into gate and up."""
     for (layer, experts_path), group in fused.items():
         for param, a3, b3, scale, key in layouts.read_fused_experts(
                 group, config, experts_path, widths, lora_a_reads):
@@ -223,25 +271,11 @@ def load_peft_adapter(path: str | os.PathLike, *, name: str | None = None,
             for e in range(a3.shape[0]):
                 if param == "gate_up_proj":
                     bg, bu = layouts.split_gate_up(b3[e], b_key, gate_up_split)
-                    add(layer, "gate", e, (a3[e], bg, scale, key))
-                    add(layer, "up", e, (a3[e], bu, scale, key))
+                    found.add(layer, "gate", e, (a3[e], bg, scale, key))
+                    found.add(layer, "up", e, (a3[e], bu, scale, key))
                 else:
-                    add(layer, "down", e, (a3[e], b3[e], scale, key))
-        used.add("fused_experts")
-
-    layers: dict[int, dict[str, ProjectionLoRA]] = {}
-    for (layer, proj), slot in sorted(routed.items(),
-                                      key=lambda kv: (kv[0][0], PROJECTIONS.index(kv[0][1]))):
-        n = 1 if proj == "router" else num_experts
-        layers.setdefault(layer, {})[proj] = ProjectionLoRA.from_pairs(slot, n_experts=n)
-    shared_layers: dict[int, dict[str, ProjectionLoRA]] = {}
-    for (layer, proj), slot in sorted(shared.items(), key=lambda kv: (
-            kv[0][0], SHARED_PROJECTIONS.index(kv[0][1]))):
-        shared_layers.setdefault(layer, {})[proj] = ProjectionLoRA.from_pairs(slot, n_experts=1)
-    return PeftAdapter(name=name or folder.name, path=str(folder), config=config, layers=layers,
-                       skipped_keys=tuple(sorted(skipped)), dtype=dtype,
-                       shared_experts=shared_layers,
-                       layout="+".join(sorted(used)))
+                    found.add(layer, "down", e, (a3[e], b3[e], scale, key))
+        found.layouts.add("fused_experts")
 
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "load_peft_adapter"]

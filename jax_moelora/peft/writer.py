@@ -23,6 +23,7 @@ Two layouts, each the one peft writes for a model family and release:
   ``expert_names=``) and refuses the two when they disagree. gpt-oss has no
   per-expert layout (its transformers 4 experts are fused).
 
+The tensors of each layout are written by ``write_layouts.py``.
 ``scripts/check_peft_writer.py`` loads what this writes with real peft and
 compares the deltas.
 """
@@ -30,9 +31,7 @@ compares the deltas.
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,8 +41,11 @@ import numpy as np
 from jax_moelora._optional import needs_extra
 
 from jax_moelora.peft.adapter import PROJECTIONS
-from jax_moelora.peft.config import CONFIG_NAME, pattern_value
+from jax_moelora.peft.config import CONFIG_NAME
 from jax_moelora.peft.reader import WEIGHTS_NAME
+from jax_moelora.peft.write_layouts import (EXPERT_NAMES, Put, as_3d, block_diagonal,
+                                            expert_factors, expert_targets, fused_patterns,
+                                            fused_targets, write_expert_layer, write_fused_layer)
 
 #: Layouts ``save_peft_adapter`` writes (``load_peft_adapter`` reads them and more).
 LAYOUTS = ("target_parameters", "experts")
@@ -51,10 +53,6 @@ LAYOUTS = ("target_parameters", "experts")
 #: The peft release whose files the ``target_parameters`` layout matches (recorded as the
 #: config's ``peft_version``: a reader takes it to mean ``lora_A`` reads the input).
 PEFT_FORMAT_VERSION = "0.21.2"
-
-#: Per-expert module names (gate, up, down) and the MoE block's name, per name set.
-EXPERT_NAMES = {"qwen3": (("gate_proj", "up_proj", "down_proj"), "mlp"),
-                "mixtral": (("w1", "w3", "w2"), "block_sparse_moe")}
 
 #: Per model family (the names of ``jax_moelora.nnx.families.FAMILIES``): the
 #: ``EXPERT_NAMES`` set of its transformers 4 per-expert modules (``None``:
@@ -68,45 +66,6 @@ FAMILY_LAYOUTS = {
     "deepseek": ("qwen3", "gate", "halves"),
     "gpt-oss": (None, "router", "interleaved"),
 }
-
-_GATE_UP = r".*\.gate_up_proj"
-
-
-def _as_3d(v, name: str, what: str) -> np.ndarray:
-    v = np.asarray(v)
-    if v.ndim == 2:
-        v = v[None]
-    if v.ndim != 3:
-        raise ValueError(f"save_peft_adapter: {name} {what} must be 3-D [E, ...], got {v.shape}")
-    return v
-
-
-def _shares_a(mats) -> bool:
-    (ag, _), (au, _) = mats["gate"], mats["up"]
-    return ag.shape == au.shape and np.array_equal(ag, au)
-
-
-def _fused_gate_up(ag, bg, au, bu, split: str, block: bool) -> tuple[np.ndarray, np.ndarray]:
-    """``(A [E, r', H], B [E, 2I, r'])`` of gate and up.
-
-    ``block``: ``r' = 2r``, A stacked along the rank, B block-diagonal; else ``r' = r``, the
-    shared A."""
-    if not block:
-        a, b_g, b_u = ag, bg, bu
-    else:
-        if ag.shape[1] != au.shape[1]:
-            raise ValueError(f"save_peft_adapter: gate rank {ag.shape[1]} and up rank "
-                             f"{au.shape[1]} differ; a fused gate_up needs one rank")
-        a = np.concatenate([ag, au], axis=1)
-        zeros = np.zeros_like(bg)
-        b_g = np.concatenate([bg, zeros], axis=2)
-        b_u = np.concatenate([zeros, bu], axis=2)
-    if split == "interleaved":
-        b = np.stack([b_g, b_u], axis=2).reshape(b_g.shape[0], -1, b_g.shape[2])
-    else:
-        b = np.concatenate([b_g, b_u], axis=1)
-    return a, b
-
 
 def _family_choices(family, layout: str, expert_names: str | None, router: str | None,
                     gate_up_split: str | None) -> tuple[str | None, str, str]:
@@ -157,37 +116,29 @@ def save_peft_adapter(path: str | os.PathLike,
 
     Args:
       path: the folder to create (or overwrite files in).
-      weights: ``{layer: {projection: (A, B)}}`` of unscaled factors:
-        ``A [E, r, K]`` and ``B [E, N, r]`` float for gate, up and down (expert
-        ``e`` is row ``e``), ``A [r, hidden]`` / ``B [num_experts, r]`` (or
-        with a leading 1) for the router.
+      weights: ``{layer: {projection: (A, B)}}`` of unscaled factors: ``A [E, r,
+        K]``, ``B [E, N, r]`` for gate, up and down (expert ``e`` is row ``e``),
+        ``A [r, hidden]``, ``B [num_experts, r]`` (or with a leading 1) for the router.
       r, lora_alpha, use_rslora, rank_pattern, alpha_pattern: written to the
         config (the caller keeps them consistent with the factors' ranks; the
         patterns match peft's names, e.g. ``"down_proj"``).
-      layout: ``"target_parameters"`` (default) or ``"experts"`` (module
-        docstring).
-      dtype: tensor dtype in the file (numpy float dtype, or
-        ``ml_dtypes.bfloat16``).
+      layout: ``"target_parameters"`` (default) or ``"experts"`` (module docstring).
+      dtype: the file's tensor dtype (a numpy float dtype, ``ml_dtypes.bfloat16``).
       prefix: key prefix before ``layers.``.
-      family: the model family, a name in ``FAMILY_LAYOUTS`` (those of
-        ``jax_moelora.nnx.families``: ``"qwen3"``, ``"mixtral"``,
-        ``"deepseek-v2"``, ``"deepseek-v3"``, ``"gpt-oss"``) or a family
-        config (``block.family``). It gives ``expert_names``, ``router`` and
-        ``gate_up_split``; one of those given as well must agree with it.
-        ``layout="experts"`` needs ``family`` or ``expert_names``.
-      expert_names: ``"qwen3"`` or ``"mixtral"``: per-expert module and block
-        names of the ``"experts"`` layout (default: the family's).
-      router: the router module's name (default: the family's; ``"gate"``,
-        or ``"router"`` for gpt-oss).
-      gate_up_split: ``"halves"`` or ``"interleaved"`` (gpt-oss), for the
-        fused ``gate_up_proj`` (default: the family's; ``"halves"``).
+      family: the model family (a name of ``FAMILY_LAYOUTS``: ``"qwen3"``,
+        ``"mixtral"``, ``"deepseek-v2"``, ``"deepseek-v3"``, ``"gpt-oss"``, or a
+        family config, ``block.family``): it gives ``expert_names``, ``router``
+        and ``gate_up_split``, which must agree with it where given as well.
+      expert_names: ``"qwen3"`` or ``"mixtral"``: the ``"experts"`` layout's
+        module and block names (``layout="experts"`` needs it or ``family``).
+      router: the router module's name (``"gate"``, ``"router"`` for gpt-oss).
+      gate_up_split: ``"halves"`` or ``"interleaved"`` (gpt-oss): how the fused
+        ``gate_up_proj`` stacks gate and up.
       shared_experts: ``{layer: {"gate" | "up" | "down": (A [r, K], B [N, r])}}``
-        of a shared expert MLP (DeepSeek-V2/V3), written as
-        ``mlp.shared_experts.{gate,up,down}_proj`` and targeted as
-        ``target_parameters`` ``"shared_experts.gate_proj.weight"`` ... (peft
-        0.21 rewrites ``target_modules`` ending in ``gate_proj``, ``up_proj``,
-        ``down_proj`` into the routed experts' parameters), or as
-        ``target_modules`` in the ``"experts"`` layout.
+        of a shared expert MLP (DeepSeek-V2/V3): ``mlp.shared_experts.*_proj``,
+        targeted as ``target_parameters`` ``"shared_experts.gate_proj.weight"``
+        ... (peft 0.21 rewrites such ``target_modules`` into the routed
+        experts'), or as ``target_modules`` in the ``"experts"`` layout.
       extra_tensors: more tensors to write as they are (e.g. attention LoRA).
       config_overrides: more config entries (override the defaults).
 
@@ -205,59 +156,55 @@ def save_peft_adapter(path: str | os.PathLike,
                                                           gate_up_split)
     if gate_up_split not in ("halves", "interleaved"):
         raise ValueError(f"gate_up_split must be 'halves' or 'interleaved', got {gate_up_split!r}")
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
-    rank_pattern = dict(rank_pattern or {})
-    alpha_pattern = dict(alpha_pattern or {})
-    names, block = EXPERT_NAMES[expert_names] if layout == "experts" else (None, "mlp")
 
     def put(key: str, v) -> None:
         tensors[key] = np.ascontiguousarray(np.asarray(v, np.float32).astype(dtype))
 
-    def factors(projs) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        return {p: tuple(_as_3d(v, p, w) for v, w in zip(projs[p], ("A", "B")))
-                for p in ("gate", "up", "down") if p in projs}
-
-    # one fused rank for every layer: block-diagonal everywhere if any layer's gate and up differ
-    block_diagonal = layout == "target_parameters" and any(
-        "gate" in m and "up" in m and not _shares_a(m) for m in map(factors, weights.values()))
+    names, block = EXPERT_NAMES[expert_names] if layout == "experts" else (None, "mlp")
+    fused_block = layout == "target_parameters" and block_diagonal(weights)
     for layer, projs in sorted(weights.items()):
-        unknown = set(projs) - set(PROJECTIONS)
-        if unknown:
-            raise ValueError(f"save_peft_adapter: unknown projection(s) {sorted(unknown)} in "
-                             f"layer {layer}; known: {PROJECTIONS}")
-        base = f"{prefix}layers.{layer}.{block}"
-        if "router" in projs:
-            a, b = (_as_3d(v, "router", w) for v, w in zip(projs["router"], ("A", "B")))
-            put(f"{base}.{router}.lora_A.weight", a[0])
-            put(f"{base}.{router}.lora_B.weight", b[0])
-        mats = factors(projs)
-        if layout == "experts":
-            for p, name in zip(("gate", "up", "down"), names):
-                if p in mats:
-                    a, b = mats[p]
-                    for e in range(a.shape[0]):
-                        put(f"{base}.experts.{e}.{name}.lora_A.weight", a[e])
-                        put(f"{base}.experts.{e}.{name}.lora_B.weight", b[e])
-            continue
-        if ("gate" in mats) != ("up" in mats):
-            raise ValueError("save_peft_adapter: the fused gate_up_proj needs both gate and up")
-        order = []
-        if "gate" in mats:
-            a, b = _fused_gate_up(*mats["gate"], *mats["up"], gate_up_split, block_diagonal)
-            order.append((a, b))
-        if "down" in mats:
-            order.append(mats["down"])
-        # the module's parameter order: gate_up_proj innermost (deepest base_layer)
-        for i, (a, b) in enumerate(order):
-            E, rank, _ = a.shape
-            key = f"{base}.experts" + ".base_layer" * (len(order) - 1 - i)
-            put(f"{key}.lora_A.weight", a.reshape(E * rank, -1))  # rows e * r + j
-            put(f"{key}.lora_B.weight",
-                np.transpose(b, (1, 2, 0)).reshape(b.shape[1], E * rank))  # columns j * E + e
-    shared_has: set[str] = set()
-    for layer, projs in sorted((shared_experts or {}).items()):
+        _write_layer(put, f"{prefix}layers.{layer}.{block}", projs, layout, names, router,
+                     gate_up_split, fused_block, layer)
+    shared_names = _write_shared(put, prefix, shared_experts or {})
+    for key, v in (extra_tensors or {}).items():
+        tensors[key] = np.ascontiguousarray(np.asarray(v))
+    has = {p for projs in weights.values() for p in projs}
+    patterns = (dict(rank_pattern or {}), dict(alpha_pattern or {}))
+    if fused_block:
+        patterns = fused_patterns(*patterns, r, lora_alpha, use_rslora)
+    if layout == "experts":
+        targets = {"target_modules": expert_targets(has, names, shared_names)}
+    else:
+        targets = {"target_parameters": fused_targets(has, router, shared_names),
+                   "peft_version": PEFT_FORMAT_VERSION}
+    config = _config(r, lora_alpha, use_rslora, *patterns, base_model_name_or_path)
+    return _write_folder(Path(path), tensors, config | targets | dict(config_overrides or {}))
+
+
+def _write_layer(put: Put, base: str, projs: Mapping[str, Any], layout: str, names, router: str,
+                 split: str, fused_block: bool, layer: int) -> None:
+    """One layer's router and expert pairs under ``base`` (``...layers.{L}.<block>``)."""
+    unknown = set(projs) - set(PROJECTIONS)
+    if unknown:
+        raise ValueError(f"save_peft_adapter: unknown projection(s) {sorted(unknown)} in "
+                         f"layer {layer}; known: {PROJECTIONS}")
+    if "router" in projs:
+        a, b = (as_3d(v, "router", w) for v, w in zip(projs["router"], ("A", "B")))
+        put(f"{base}.{router}.lora_A.weight", a[0])
+        put(f"{base}.{router}.lora_B.weight", b[0])
+    mats = expert_factors(projs)
+    if layout == "experts":
+        write_expert_layer(put, base, mats, names)
+    else:
+        write_fused_layer(put, base, mats, split, fused_block)
+
+
+def _write_shared(put: Put, prefix: str, shared: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    """The shared expert pairs, as ``mlp.shared_experts.{p}_proj``; returns
+    the module names written (``shared_experts.gate_proj`` ...)."""
+    written: set[str] = set()
+    for layer, projs in sorted(shared.items()):
         unknown = set(projs) - {"gate", "up", "down"}
         if unknown:
             raise ValueError(f"save_peft_adapter: unknown shared expert projection(s) "
@@ -270,33 +217,14 @@ def save_peft_adapter(path: str | os.PathLike,
             stem = f"{prefix}layers.{layer}.mlp.shared_experts.{p}_proj"
             put(f"{stem}.lora_A.weight", a)
             put(f"{stem}.lora_B.weight", b)
-            shared_has.add(p)
-    shared_names = [f"shared_experts.{p}_proj" for p in ("gate", "up", "down") if p in shared_has]
-    for key, v in (extra_tensors or {}).items():
-        tensors[key] = np.ascontiguousarray(np.asarray(v))
+            written.add(p)
+    return [f"shared_experts.{p}_proj" for p in ("gate", "up", "down") if p in written]
 
-    has = {p for projs in weights.values() for p in projs}
-    if block_diagonal:
-        # gate and up fused at twice the rank: keep alpha / r (or alpha / sqrt(r))
-        name = "model.layers.0.mlp.experts.gate_up_proj"
-        r_gu = int(pattern_value(rank_pattern, name, r))
-        alpha_gu = float(pattern_value(alpha_pattern, name, lora_alpha))
-        alpha_2r = alpha_gu * (math.sqrt(2) if use_rslora else 2)
-        rank_pattern = {_GATE_UP: 2 * r_gu} | {k: v for k, v in rank_pattern.items()
-                                               if not re.match(rf"(.*\.)?({k})$", name)}
-        alpha_pattern = {_GATE_UP: alpha_2r} | {k: v for k, v in alpha_pattern.items()
-                                                if not re.match(rf"(.*\.)?({k})$", name)}
-    target_modules: list[str] = []
-    target_parameters = None
-    if layout == "experts":
-        target_modules = (["gate"] if "router" in has else []) + [
-            n for p, n in zip(("gate", "up", "down"), names) if p in has] + shared_names
-    else:
-        target_parameters = (["experts.gate_up_proj"] if "gate" in has else []) + (
-            ["experts.down_proj"] if "down" in has else []) + (
-            [f"{router}.weight"] if "router" in has else []) + [
-            f"{n}.weight" for n in shared_names]
-    config: dict[str, Any] = {
+
+def _config(r: int, lora_alpha: float, use_rslora: bool, rank_pattern: dict,
+            alpha_pattern: dict, base_model_name_or_path: str | None) -> dict[str, Any]:
+    """``adapter_config.json`` without its targets."""
+    return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
@@ -307,18 +235,19 @@ def save_peft_adapter(path: str | os.PathLike,
         "use_dora": False,
         "bias": "none",
         "fan_in_fan_out": False,
-        "target_modules": target_modules,
-        "target_parameters": target_parameters,
+        "target_modules": [],
+        "target_parameters": None,
         "rank_pattern": rank_pattern,
         "alpha_pattern": alpha_pattern,
         "inference_mode": True,
     }
-    if layout == "target_parameters":
-        config["peft_version"] = PEFT_FORMAT_VERSION
-    config.update(config_overrides or {})
+
+
+def _write_folder(folder: Path, tensors: dict[str, np.ndarray], config: dict[str, Any]) -> Path:
     with needs_extra("peft", "writing PEFT adapters"):
         from safetensors.numpy import save_file
 
+    folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
     (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2))
     return folder
