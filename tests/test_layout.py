@@ -79,3 +79,24 @@ def test_the_package_top_level_holds_the_library():
     """The tools are in their subpackage, not beside ``routing.py`` and ``tables.py``."""
     tool_names = {p.stem for p in (PACKAGE / "tools").glob("*.py")} - {"__init__"}
     assert not tool_names & {p.stem for p in PACKAGE.glob("*.py")}
+
+
+#: Longest a function in the package may be, unless a comment on the line
+#: before its ``def`` (or on the ``def`` line) says why, with "long:".
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_is_over_80_lines_without_a_reason():
+    long_ones = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        lines = source.splitlines()
+        for node in ast.walk(ast.parse(source, str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            length = node.end_lineno - node.lineno + 1
+            said = any("long:" in ln for ln in lines[max(first - 2, 0):node.lineno])
+            if length > MAX_FUNCTION_LINES and not said:
+                long_ones.append(f"{path.relative_to(PACKAGE.parent)}:{node.name}:{length}")
+    assert not long_ones
