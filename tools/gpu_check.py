@@ -280,12 +280,13 @@ def ncu(h: Harness, a: argparse.Namespace) -> None:
 
 @step("scaling")
 def scaling(h: Harness, a: argparse.Namespace) -> None:
-    """``python -m jax_moelora.tools.scaling`` on GPUs 0 and 1 (skipped on one GPU)."""
+    """``python -m jax_moelora.tools.scaling`` with ``--scaling`` on GPUs 0 and 1
+    (skipped on one GPU)."""
     if sanitizer.gpu_count() < 2:
         h.step("scaling skipped: one GPU")
         return
-    _command_step(h, "scaling", [PY, "-m", "jax_moelora.tools.scaling", "--json",
-                                 str(h.r / "scaling.json")], 90,
+    _command_step(h, "scaling", [PY, "-m", "jax_moelora.tools.scaling", *words(a.scaling),
+                                 "--json", str(h.r / "scaling.json")], a.scaling_s,
                   env={"CUDA_VISIBLE_DEVICES": "0,1"})
 
 
@@ -416,6 +417,8 @@ def _add_step_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cmdbuf-flags", default="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,"
                    "CUBLASLT,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
                    help="XLA_FLAGS of the cmdbuf step's second runs")
+    g.add_argument("--scaling", default="", help="python -m jax_moelora.tools.scaling's arguments")
+    g.add_argument("--scaling-s", type=float, default=90, help="timeout (s)")
     g.add_argument("--kernels", default="cells", help="ncu's kernel name regex")
     g.add_argument("--ncu", default="--models qwen --projs gate --tokens 64 --ranks 16 "
                    "--adapters 4", help="bench arguments of the ncu step")
