@@ -5,7 +5,14 @@
   slots. Pool layout is fixed: adapter slot ``l``, expert ``e`` lives in pool
   slot ``1 + l * E_t + e`` (slot 0 is the reserved "not adapted" slot), so
   loading, replacing or unloading an adapter rewrites one contiguous block of
-  the pools and one row of the tables, and shapes never change.
+  the pools and one row of the tables, and shapes never change. With
+  ``expert_shards = D`` (experts split over ``D`` devices of a mesh) the
+  pools are ``D`` shards of ``P_d = 1 + L * E_t / D`` slots, shard ``d``
+  holding experts ``[d * E_t / D, (d + 1) * E_t / D)``: expert ``e = d *
+  E_t / D + j`` of adapter ``l`` lives in slot ``d * P_d + 1 + l * E_t / D +
+  j``, and slot ``d * P_d`` is shard ``d``'s reserved slot (``D = 1`` is the
+  layout above). The tables hold these global slots; an adapter's pairs are
+  one contiguous block of each shard.
 - :class:`StackedExpertLoRA`: ``S`` projections of equal shapes (gate and
   up) in one set of arrays with a leading axis ``S``; :meth:`route` is their
   ``StackedRoute`` (the stored arrays themselves, no copy), which the folds
@@ -34,6 +41,7 @@ from flax import nnx
 
 from jax_moelora.geometry import padded_rank
 from jax_moelora.peft import PROJECTIONS, AdapterFormatError, ProjectionLoRA
+from jax_moelora.ops.sharding import update_block, write_shard_blocks
 from jax_moelora.ops.stacked import StackedRoute, stored_cells
 from jax_moelora.tables import MoeExpertRoute
 
@@ -60,15 +68,39 @@ default_a_initializer = nnx.initializers.variance_scaling(
     1.0 / 3.0, "fan_in", "uniform", in_axis=-1, out_axis=-2, batch_axis=(0,))
 
 
-@jax.jit
-def _set_block(array: Array, block: Array, starts: tuple[Array, ...]) -> Array:
-    """``array`` with ``block`` (same rank) written from index ``starts`` (one
-    compile per shape)."""
-    return jax.lax.dynamic_update_slice(array, block.astype(array.dtype), starts)
-
-
 def _starts(*lead: int, ndim: int) -> tuple[np.int32, ...]:
     return tuple(np.int32(i) for i in lead) + (np.int32(0),) * (ndim - len(lead))
+
+
+def _check_shards(who: str, n_experts: int, expert_shards: Any) -> int:
+    if (not isinstance(expert_shards, (int, np.integer)) or isinstance(expert_shards, bool)
+            or expert_shards < 1 or n_experts % expert_shards):
+        raise ValueError(f"{who}: expert_shards must be a positive int that divides n_experts "
+                         f"{n_experts}, got {expert_shards!r}")
+    return int(expert_shards)
+
+
+def shard_slots(n_experts: int, max_loras: int, expert_shards: int, slot: Any,
+                expert: Any) -> Any:
+    """The pool slot of adapter ``slot``'s ``expert`` in the layout of
+    ``expert_shards`` shards (numpy broadcasting): ``d * P_d + 1 + slot * E_d
+    + j`` with ``E_d = n_experts / expert_shards``, ``P_d = 1 + max_loras *
+    E_d``, ``(d, j) = divmod(expert, E_d)``."""
+    e_d = n_experts // expert_shards
+    d, j = np.divmod(expert, e_d)
+    return d * (1 + max_loras * e_d) + 1 + slot * e_d + j
+
+
+def _relaid(pool: np.ndarray, table: np.ndarray, slots: np.ndarray,
+            new_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A pool ``[P, ...]`` and its table ``[L, E_t]`` in another layout whose
+    slot for cell ``(l, e)`` is ``slots[l, e]``: each pair copied to its new
+    slot; cells 0 stay 0, cells outside the pool become -1 (neither folds)."""
+    inside = (table > 0) & (table < pool.shape[0])
+    new = np.zeros((new_size,) + pool.shape[1:], pool.dtype)
+    new[slots[inside]] = pool[table[inside]]
+    cells = np.where(table == 0, 0, np.where(inside, slots, -1)).astype(np.int32)
+    return new, cells
 
 
 class AdapterTable(nnx.Variable):
@@ -145,19 +177,32 @@ class _SlotWriter:
     checks of a loaded adapter.
 
     Subclasses set ``n_experts``, ``k_in``, ``n_out``, ``max_loras``,
-    ``max_rank`` and ``dtype``, give ``a_pool``, ``b_pool``, ``a_table``,
-    ``b_table`` and ``scale_table`` (read with ``[...]``), and implement
-    ``_write(name, block, start)``: ``block`` written into array ``name`` from
-    row ``start`` (host-side).
+    ``max_rank``, ``dtype`` and ``expert_shards``, give ``a_pool``,
+    ``b_pool``, ``a_table``, ``b_table`` and ``scale_table`` (read with
+    ``[...]``), and implement ``_write(name, block, start)`` (a table row
+    ``block`` written from row ``start``) and ``_write_pool(name, block,
+    start)`` (``block [E_t, ...]``: shard ``d``'s experts written into its
+    shard from row ``start``), host-side.
     """
 
     @property
+    def experts_per_shard(self) -> int:
+        """``E_d = E_t / expert_shards``: the experts of one shard."""
+        return self.n_experts // self.expert_shards
+
+    @property
+    def slots_per_shard(self) -> int:
+        """``P_d = 1 + L * E_d``: the pool slots of one shard."""
+        return 1 + self.max_loras * self.experts_per_shard
+
+    @property
     def pool_size(self) -> int:
-        return 1 + self.max_loras * self.n_experts
+        return self.expert_shards * self.slots_per_shard
 
     def pool_slot(self, slot: int, expert: int) -> int:
-        """The pool slot of adapter ``slot``'s expert ``expert``."""
-        return 1 + slot * self.n_experts + expert
+        """The pool slot of adapter ``slot``'s expert ``expert`` (``1 + slot *
+        E_t + expert`` with one shard; :func:`shard_slots`)."""
+        return int(shard_slots(self.n_experts, self.max_loras, self.expert_shards, slot, expert))
 
     def route(self) -> MoeExpertRoute:
         """The projection's ``MoeExpertRoute`` (traceable)."""
@@ -166,6 +211,9 @@ class _SlotWriter:
                               scale_table=self.scale_table[...])
 
     def _write(self, name: str, block: np.ndarray, start: int) -> None:
+        raise NotImplementedError
+
+    def _write_pool(self, name: str, block: np.ndarray, start: int) -> None:
         raise NotImplementedError
 
     def _check_slot(self, slot: int) -> int:
@@ -195,12 +243,12 @@ class _SlotWriter:
         a_blk[:e, :r] = np.asarray(a, np.float32)
         b_blk = np.zeros((E, self.n_out, R), self.dtype)
         b_blk[:e, :, :r] = np.asarray(b, np.float32)
-        start = self.pool_slot(slot, 0)
-        self._write("a_pool", a_blk, start)
-        self._write("b_pool", b_blk, start)
+        start = 1 + slot * self.experts_per_shard  # within each shard
+        self._write_pool("a_pool", a_blk, start)
+        self._write_pool("b_pool", b_blk, start)
         present = np.zeros(E, bool) if present is None else np.asarray(present, bool)
         cells = np.zeros(E, np.int32)
-        cells[:e] = np.where(present[:e], start + np.arange(e), 0)
+        cells[:e] = np.where(present[:e], [self.pool_slot(slot, i) for i in range(e)], 0)
         scales = np.zeros(E, np.float32)
         scales[:e] = np.where(present[:e], np.asarray(scale, np.float32), 0.0)
         self._write("a_table", cells[None], slot)
@@ -293,21 +341,24 @@ class ExpertLoRA(_SlotWriter, nnx.Module):
       max_rank: the pools' rank ``R``, rounded up to a multiple of 8.
       dtype: the pools' dtype (the activation dtype of the fold).
       param_type: the pools' variable type (``nnx.LoRAParam``).
+      expert_shards: ``D``, the pool layout's expert shards (1: unsharded;
+        see the module docstring), which must divide ``n_experts``.
 
     State: ``a_pool [P, R, K]`` and ``b_pool [P, N, R]`` with
-    ``P = 1 + L * E_t``; ``a_table``/``b_table`` int32 ``[L, E_t]`` and
-    ``scale_table`` float32 ``[L, E_t]`` (:class:`AdapterTable`).
+    ``P = D * (1 + L * E_t / D)``; ``a_table``/``b_table`` int32 ``[L, E_t]``
+    and ``scale_table`` float32 ``[L, E_t]`` (:class:`AdapterTable`).
     """
 
     def __init__(self, n_experts: int, k_in: int, n_out: int, *, max_loras: int,
                  max_rank: int, dtype: Any = jnp.float32,
-                 param_type: type[nnx.Variable] = nnx.LoRAParam):
+                 param_type: type[nnx.Variable] = nnx.LoRAParam, expert_shards: int = 1):
         _check_sizes("ExpertLoRA", n_experts=n_experts, k_in=k_in, n_out=n_out,
                      max_loras=max_loras, max_rank=max_rank)
         self.n_experts, self.k_in, self.n_out = int(n_experts), int(k_in), int(n_out)
         self.max_loras, self.max_rank = int(max_loras), padded_rank(int(max_rank))
+        self.expert_shards = _check_shards("ExpertLoRA", self.n_experts, expert_shards)
         self.dtype = jnp.dtype(dtype)
-        P, R, L = 1 + self.max_loras * self.n_experts, self.max_rank, self.max_loras
+        P, R, L = self.pool_size, self.max_rank, self.max_loras
         self.a_pool = param_type(jnp.zeros((P, R, self.k_in), self.dtype))
         self.b_pool = param_type(jnp.zeros((P, self.n_out, R), self.dtype))
         self.a_table = AdapterTable(jnp.zeros((L, self.n_experts), jnp.int32))
@@ -316,7 +367,31 @@ class ExpertLoRA(_SlotWriter, nnx.Module):
 
     def _write(self, name: str, block: np.ndarray, start: int) -> None:
         var = getattr(self, name)
-        var[...] = _set_block(var[...], block, _starts(start, ndim=block.ndim))
+        var[...] = update_block(var[...], block, _starts(start, ndim=block.ndim))
+
+    def _write_pool(self, name: str, block: np.ndarray, start: int) -> None:
+        var = getattr(self, name)
+        var[...] = write_shard_blocks(var[...], block, (), start,
+                                      shard_slots=self.slots_per_shard)
+
+    def set_expert_shards(self, expert_shards: int) -> None:
+        """Re-lay the pools out in ``expert_shards`` shards (host-side; the
+        arrays must be fully addressable): every pair moves to its slot in
+        the new layout and the tables follow; cells outside the pool become
+        -1. The folds of the route give the same bits before and after."""
+        D = _check_shards("set_expert_shards", self.n_experts, expert_shards)
+        L, E = self.max_loras, self.n_experts
+        slots = shard_slots(E, L, D, np.arange(L)[:, None], np.arange(E)[None, :])
+        new_size = D * (1 + L * (E // D))
+        tables = {}
+        for pool, table in (("a_pool", "a_table"), ("b_pool", "b_table")):
+            new, tables[table] = _relaid(np.asarray(jax.device_get(getattr(self, pool)[...])),
+                                         np.asarray(jax.device_get(getattr(self, table)[...])),
+                                         slots, new_size)
+            getattr(self, pool).set_value(jnp.asarray(new))
+        for table, cells in tables.items():
+            getattr(self, table).set_value(jnp.asarray(cells))
+        self.expert_shards = D
 
 
 class StackedExpertLoRA(nnx.Module):
@@ -325,8 +400,9 @@ class StackedExpertLoRA(nnx.Module):
 
     Args:
       names: the projections' names, in stacking order (``("gate", "up")``).
-      n_experts, k_in, n_out, max_loras, max_rank, dtype, param_type: as
-        :class:`ExpertLoRA`, common to the ``S`` projections.
+      n_experts, k_in, n_out, max_loras, max_rank, dtype, param_type,
+        expert_shards: as :class:`ExpertLoRA`, common to the ``S``
+        projections.
 
     State, in the layout of a ``StackedRoute`` (``ops/stacked.py``), which
     the decode fold reads as stored: ``a_pool [S, P, R, K]``, ``b_pool [S, P,
@@ -344,7 +420,7 @@ class StackedExpertLoRA(nnx.Module):
 
     def __init__(self, names: Sequence[str], n_experts: int, k_in: int, n_out: int, *,
                  max_loras: int, max_rank: int, dtype: Any = jnp.float32,
-                 param_type: type[nnx.Variable] = nnx.LoRAParam):
+                 param_type: type[nnx.Variable] = nnx.LoRAParam, expert_shards: int = 1):
         names = tuple(names)
         if not names or len(set(names)) != len(names) or not all(
                 isinstance(n, str) for n in names):
@@ -354,8 +430,9 @@ class StackedExpertLoRA(nnx.Module):
         self.names = names
         self.n_experts, self.k_in, self.n_out = int(n_experts), int(k_in), int(n_out)
         self.max_loras, self.max_rank = int(max_loras), padded_rank(int(max_rank))
+        self.expert_shards = _check_shards("StackedExpertLoRA", self.n_experts, expert_shards)
         self.dtype = jnp.dtype(dtype)
-        S, P = len(names), 1 + self.max_loras * self.n_experts
+        S, P = len(names), self.pool_size
         R, L, E = self.max_rank, self.max_loras, self.n_experts
         self.a_pool = param_type(jnp.zeros((S, P, R, self.k_in), self.dtype))
         self.b_pool = param_type(jnp.zeros((S, P, self.n_out, R), self.dtype))
@@ -366,6 +443,38 @@ class StackedExpertLoRA(nnx.Module):
     @property
     def num_projections(self) -> int:
         return len(self.names)
+
+    @property
+    def slots_per_shard(self) -> int:
+        """``P_d = 1 + L * E_t / expert_shards``: the pool slots of one shard."""
+        return 1 + self.max_loras * (self.n_experts // self.expert_shards)
+
+    @property
+    def pool_size(self) -> int:
+        """``P``, each member's pool slots."""
+        return self.expert_shards * self.slots_per_shard
+
+    def set_expert_shards(self, expert_shards: int) -> None:
+        """Re-lay every member's pools out in ``expert_shards`` shards, as
+        :meth:`ExpertLoRA.set_expert_shards` does (host-side)."""
+        D = _check_shards("set_expert_shards", self.n_experts, expert_shards)
+        L, E, S = self.max_loras, self.n_experts, len(self.names)
+        slots = shard_slots(E, L, D, np.arange(L)[:, None], np.arange(E)[None, :])
+        new_size = D * (1 + L * (E // D))
+        route = jax.tree.map(lambda v: np.asarray(jax.device_get(v)), self.route())
+        pools, cells = {"a_pool": [], "b_pool": []}, {"a_cells": [], "b_cells": []}
+        for s in range(S):
+            for pool, table, stored in (("a_pool", "a_table", "a_cells"),
+                                        ("b_pool", "b_table", "b_cells")):
+                new, tab = _relaid(getattr(route, pool)[s], np.asarray(
+                    getattr(route, table)[s]), slots, new_size)
+                pools[pool].append(new)
+                cells[stored].append(np.asarray(stored_cells(tab, s, new_size)))
+        for name, members in pools.items():
+            getattr(self, name).set_value(jnp.asarray(np.stack(members)))
+        for name, members in cells.items():  # [S, L, E] -> columns s * E + e of [L, S * E]
+            getattr(self, name).set_value(jnp.asarray(np.concatenate(members, axis=1)))
+        self.expert_shards = D
 
     def route(self) -> StackedRoute:
         """The ``S`` projections' ``StackedRoute``: the stored arrays, as they
@@ -482,6 +591,7 @@ class ExpertLoRAView(_SlotWriter):
         self.stack, self.index, self.name = stack, int(index), stack.names[index]
         self.n_experts, self.k_in, self.n_out = stack.n_experts, stack.k_in, stack.n_out
         self.max_loras, self.max_rank, self.dtype = stack.max_loras, stack.max_rank, stack.dtype
+        self.expert_shards = stack.expert_shards
         self.a_pool = StackedSlice(stack.a_pool, self.index)
         self.b_pool = StackedSlice(stack.b_pool, self.index)
         for n in _STORED_TABLE:
@@ -492,12 +602,15 @@ class ExpertLoRAView(_SlotWriter):
             if name != "scale_table":  # the member's slot c stored as index * P + c
                 block = stored_cells(block, self.index, self.pool_size)
             var = getattr(self.stack, _STORED_TABLE[name])
-            var[...] = _set_block(var[...], block, _starts(start, self.index * self.n_experts,
-                                                           ndim=2))
+            var[...] = update_block(var[...], block, _starts(start, self.index * self.n_experts,
+                                                             ndim=2))
             return
+        raise ValueError(f"ExpertLoRAView: {name!r} is a pool; write it with _write_pool")
+
+    def _write_pool(self, name: str, block: np.ndarray, start: int) -> None:
         var = getattr(self.stack, name)
-        var[...] = _set_block(var[...], block[None], _starts(self.index, start,
-                                                             ndim=block.ndim + 1))
+        var[...] = write_shard_blocks(var[...], block[None], (self.index,), start,
+                                      shard_slots=self.slots_per_shard)
 
     def __repr__(self) -> str:
         return (f"ExpertLoRAView({self.name!r}: E_t={self.n_experts}, K={self.k_in}, "
@@ -521,6 +634,9 @@ class MoELoRA(nnx.Module):
       a_initializer, b_initializer: initializers of a fresh adapter's
         ``A [E_t, r, K]`` and ``B [E_t, N, r]`` (:meth:`init_adapter`);
         PEFT's by default (``B`` zero, so a fresh adapter is the base model).
+      expert_shards: the routed experts' pool layout (gate, up, down): ``D``
+        shards, one per device of an expert-parallel mesh axis (module
+        docstring); the router and shared experts keep one.
 
     State: ``router`` (:class:`ExpertLoRA`, ``E_t = 1``, ``K = H``, ``N =
     E``), ``gate_up`` (:class:`StackedExpertLoRA` of gate and up, ``K = H``,
@@ -541,7 +657,7 @@ class MoELoRA(nnx.Module):
                  dtype: Any = jnp.float32, router_dtype: Any = jnp.float32,
                  param_type: type[nnx.Variable] = nnx.LoRAParam,
                  a_initializer: Any = default_a_initializer,
-                 b_initializer: Any = nnx.initializers.zeros_init()):
+                 b_initializer: Any = nnx.initializers.zeros_init(), expert_shards: int = 1):
         kw = dict(max_loras=max_loras, max_rank=max_rank, param_type=param_type)
         H, I, E, S = hidden_size, intermediate_size, num_experts, int(shared_intermediate_size)
         if S < 0:
@@ -551,13 +667,25 @@ class MoELoRA(nnx.Module):
         self.max_loras, self.max_rank = int(max_loras), padded_rank(int(max_rank))
         self.a_initializer, self.b_initializer = a_initializer, b_initializer
         self.router = ExpertLoRA(1, H, E, dtype=router_dtype, **kw)
-        self.gate_up = StackedExpertLoRA(("gate", "up"), E, H, I, dtype=dtype, **kw)
-        self.down = ExpertLoRA(E, I, H, dtype=dtype, **kw)
+        self.gate_up = StackedExpertLoRA(("gate", "up"), E, H, I, dtype=dtype,
+                                         expert_shards=expert_shards, **kw)
+        self.down = ExpertLoRA(E, I, H, dtype=dtype, expert_shards=expert_shards, **kw)
         if S:
             self.shared_gate_up = StackedExpertLoRA(SHARED_PROJECTIONS[:2], 1, H, S,
                                                     dtype=dtype, **kw)
             self.shared_down = ExpertLoRA(1, S, H, dtype=dtype, **kw)
         self.projections = PROJECTIONS + (SHARED_PROJECTIONS if S else ())
+
+    @property
+    def expert_shards(self) -> int:
+        """The routed experts' pool layout: shards of experts (1: unsharded)."""
+        return self.down.expert_shards
+
+    def set_expert_shards(self, expert_shards: int) -> None:
+        """Re-lay gate, up and down out in ``expert_shards`` shards
+        (:meth:`ExpertLoRA.set_expert_shards`, host-side)."""
+        self.gate_up.set_expert_shards(expert_shards)
+        self.down.set_expert_shards(expert_shards)
 
     # gate and up (and the shared ones) as projections of their own
     @property

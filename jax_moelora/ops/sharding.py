@@ -21,10 +21,17 @@ The expert- and tensor-parallel folds also take ``row_axis``: mesh axes over
 which tokens are split at the same time (rows ``t * top_k + k`` stay with
 their token). Every function is differentiable and jit-able; call it inside
 ``jax.jit`` (the shard_map needs the mesh, not a context).
+
+Writes into sharded adapter state (``nnx.MoELoRA`` on a mesh, ``AdapterPool``
+loads): :func:`update_block` (a block of a replicated table) and
+:func:`write_shard_blocks` (one adapter's pool rows, each device writing its
+own shard: the output sharded as the input, no collective, one compile per
+shape and sharding).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -38,7 +45,7 @@ from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["shard_map", "shard_expert_parallel", "shard_tensor_parallel",
            "moe_lora_fold_expert_parallel", "moe_lora_fold_tensor_parallel",
-           "moe_lora_fold_data_parallel"]
+           "moe_lora_fold_data_parallel", "put_global", "update_block", "write_shard_blocks"]
 
 AxisNames = str | Sequence[str] | None
 
@@ -68,6 +75,118 @@ def _put(value, mesh: Mesh, spec: P) -> jax.Array:
         return jax.device_put(value, sharding)
     value = np.asarray(jax.device_get(value))
     return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+
+
+def put_global(value, mesh: Mesh, spec: P) -> jax.Array:
+    """``value`` (host data, or an array every process holds in full) as a
+    global array on ``mesh`` placed as ``spec``; in a multi-process run every
+    process passes the same value."""
+    return _put(value, mesh, spec)
+
+
+def _mesh_sharding(array) -> NamedSharding | None:
+    """``array``'s ``NamedSharding`` when it spans several devices, else None."""
+    sharding = getattr(array, "sharding", None)
+    if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+        return sharding
+    return None
+
+
+def _local_update(array, block, starts):
+    return jax.lax.dynamic_update_slice(array, block.astype(array.dtype), tuple(starts))
+
+
+_update_local = jax.jit(_local_update)
+
+
+@functools.lru_cache(maxsize=None)
+def _update_on_mesh(sharding: NamedSharding):
+    return jax.jit(_local_update, out_shardings=sharding)
+
+
+def update_block(array: jax.Array, block, starts: Sequence[int]) -> jax.Array:
+    """``array`` with ``block`` (same rank, host data) written from index
+    ``starts``, on ``array``'s devices and with its sharding (the adapter
+    tables, replicated on a mesh). The starts are traced: one compile per
+    shape and sharding, whatever the position."""
+    starts = tuple(np.int32(i) for i in starts)
+    sharding = _mesh_sharding(array)
+    if sharding is None:
+        return _update_local(array, block, starts)
+    block = _put(np.asarray(block), sharding.mesh, P())
+    return _update_on_mesh(sharding)(array, block, starts)
+
+
+def _shard_blocks_local(array, block, lead, start, *, slot_axis: int, shard_slots: int):
+    """The local form of :func:`write_shard_blocks` (any number of shards)."""
+    n = array.shape[slot_axis] // shard_slots
+    e = block.shape[slot_axis] // n
+    a = array.reshape(array.shape[:slot_axis] + (n, shard_slots) + array.shape[slot_axis + 1:])
+    b = block.reshape(block.shape[:slot_axis] + (n, e) + block.shape[slot_axis + 1:])
+    zero = jnp.zeros((), jnp.int32)
+    starts = tuple(lead) + (zero, start) + (zero,) * (array.ndim - slot_axis - 1)
+    return _local_update(a, b, starts).reshape(array.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _shard_blocks_on_mesh(sharding: NamedSharding, slot_axis: int, shard_slots: int):
+    spec = sharding.spec
+    local = functools.partial(_shard_blocks_local, slot_axis=slot_axis, shard_slots=shard_slots)
+    mapped = shard_map(local, mesh=sharding.mesh, in_specs=(spec, spec, P(), P()),
+                       out_specs=spec)
+    # Not donated: nnx.clone and nnx.state share the arrays, which a donation
+    # would delete under them; the copy is one pool's shard, for the write.
+    return jax.jit(mapped, out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _shard_blocks_jit(slot_axis: int, shard_slots: int):
+    return jax.jit(functools.partial(_shard_blocks_local, slot_axis=slot_axis,
+                                     shard_slots=shard_slots))
+
+
+def write_shard_blocks(array: jax.Array, block, lead: Sequence[int], start: int, *,
+                       shard_slots: int) -> jax.Array:
+    """Write one block of rows into each shard of a pool laid out in shards.
+
+    Args:
+      array: ``[*lead_dims, D * shard_slots, ...]``: ``D`` shards of
+        ``shard_slots`` rows on axis ``len(lead)`` (an expert-sharded LoRA
+        pool: shard ``d`` holds the slots of the experts device ``d`` owns).
+        On a mesh, sharded with that axis split into whole shards.
+      block: ``[1, ..., 1, D * e, ...]`` host data (the lead dims of size 1,
+        the others as ``array``'s): rows ``[d * e, (d + 1) * e)`` go to shard
+        ``d``, from its row ``start``.
+      lead: the indices on the lead dims (a stacked pool's member).
+      start: the row within each shard.
+      shard_slots: the rows of one shard.
+
+    Returns:
+      The updated array, sharded as ``array``. On a mesh each device writes
+      its own rows (``shard_map``: no collective, nothing gathered);
+      ``lead`` and ``start`` are traced (one compile per shape and
+      sharding).
+    """
+    slot_axis = len(lead)
+    rows = array.shape[slot_axis]
+    if rows % shard_slots:
+        raise ValueError(f"write_shard_blocks: axis {slot_axis} of array {tuple(array.shape)} "
+                         f"is not a whole number of shards of {shard_slots} rows")
+    lead = tuple(np.int32(i) for i in lead)
+    start = np.int32(start)
+    sharding = _mesh_sharding(array)
+    if sharding is None:
+        return _shard_blocks_jit(slot_axis, shard_slots)(array, block, lead, start)
+    spec = tuple(sharding.spec) + (None,) * (array.ndim - len(sharding.spec))
+    if any(spec[:slot_axis]):
+        raise ValueError(f"write_shard_blocks: the lead dims of array are sharded ({spec})")
+    local_rows = rows // _axis_size(sharding.mesh, spec[slot_axis])
+    if local_rows % shard_slots:
+        raise ValueError(f"write_shard_blocks: a device holds {local_rows} rows of axis "
+                         f"{slot_axis}, not whole shards of {shard_slots}")
+    block = _put(np.asarray(block), sharding.mesh, sharding.spec)
+    fn = _shard_blocks_on_mesh(sharding, slot_axis, shard_slots)
+    return fn(array, block, lead, start)
 
 
 def _route(a_pool, b_pool, a_table, b_table, scale_table) -> MoeExpertRoute:
