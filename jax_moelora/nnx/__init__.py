@@ -20,6 +20,10 @@
 - ``export``: :func:`save_adapter_slot`, an adapter slot as it is now
   (trained) as a PEFT folder (:func:`slot_adapter`, as a ``PeftAdapter``).
 - ``reference``: the float64 NumPy reference of each family's block.
+- ``sharded``: :class:`MoEBlock` on a ``jax.sharding.Mesh`` (``mesh=`` and
+  its expert, data and tensor axes, or :func:`shard_block`): experts and
+  their adapters' pool slots split over devices, tokens dispatched to their
+  experts' owners with an all-to-all, one ``shard_map`` per call.
 
 Train LoRA weights with ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``, or
 ``nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))``, or ``nnx.split(model,
@@ -60,12 +64,14 @@ from jax_moelora.nnx.lora import (
 )
 from jax_moelora.nnx.pool import AdapterPool
 from jax_moelora.nnx.routers import Router, ScoreCorrectionBias, select_experts
+from jax_moelora.nnx.sharded import BlockSharding, block_partition_specs, shard_block
 from jax_moelora.nnx.stack import MoEStack
 from jax_moelora.nnx.weights import load_transformers_weights, transformers_weights
 
 __all__ = [
     "AdapterPool",
     "AdapterTable",
+    "BlockSharding",
     "DeepSeekV2",
     "DeepSeekV3",
     "ExpertLoRA",
@@ -87,10 +93,12 @@ __all__ = [
     "ScoreCorrectionBias",
     "SharedExperts",
     "StackedExpertLoRA",
+    "block_partition_specs",
     "family_config",
     "load_transformers_weights",
     "save_adapter_slot",
     "select_experts",
+    "shard_block",
     "slot_adapter",
     "transformers_weights",
 ]

@@ -25,11 +25,13 @@ shared gate and up together and shared down (one gather fold each).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jax_moelora.int_range import check_int32_values
 from jax_moelora.nnx.experts import (
@@ -46,6 +48,7 @@ from jax_moelora.nnx.experts import (
 from jax_moelora.nnx.families import MoEFamily, family_config
 from jax_moelora.nnx.lora import MoELoRA, MoELoRARoutes, default_a_initializer
 from jax_moelora.nnx.routers import Router
+from jax_moelora.nnx.sharded import BlockSharding, place_block, sharded_call
 from jax_moelora.ops.dense_fold import fold_dense_experts
 from jax_moelora.ops.folds import (
     fold_planned,
@@ -56,10 +59,18 @@ from jax_moelora.ops.folds import (
 )
 from jax_moelora.tables import MoeExpertRoute
 
-__all__ = ["MoEBlock"]
+__all__ = ["MoEBlock", "weighted_sum"]
 
 Array = jax.Array
 ExpertPathOption = Literal["auto", "dense", "ragged"]
+
+
+def weighted_sum(weights: Array, rows: Array) -> Array:
+    """``sum_k weights[t, k] * rows[t * top_k + k]``: float32 ``[T, N]`` from
+    routing weights f32 ``[T, top_k]`` and expert output rows ``[T * top_k,
+    N]`` in flat order (upcast to float32 first)."""
+    t, k = weights.shape
+    return jnp.einsum("tk,tkh->th", weights, rows.reshape(t, k, -1).astype(jnp.float32))
 
 
 def _fold_dense(x: Array, base: Array, route: MoeExpertRoute, adapter_ids: Array,
@@ -92,7 +103,9 @@ class MoEBlock(nnx.Module):
       expert_path: base expert matmuls: ``"ragged"`` (the grouped GEMM
         ``expert_gemm`` over rows sorted by expert), ``"dense"`` (every
         expert on every token, then the chosen rows), or ``"auto"`` (dense
-        for batches that take the gather fold, ragged otherwise).
+        for batches that take the gather fold, ragged otherwise; with an
+        expert axis, ragged on the experts' owners, whose dense work would
+        grow with the padded rows they receive).
       expert_gemm: the grouped GEMM of the ragged path: ``"ragged_dot"``
         (``jax.lax.ragged_dot``), ``"expert_matmul"`` (the library's
         :func:`jax_moelora.expert_matmul`, no LoRA: the CUTLASS grouped GEMM
@@ -115,12 +128,30 @@ class MoEBlock(nnx.Module):
         ``nnx.Linear``'s defaults).
       lora_a_initializer, lora_b_initializer: a fresh adapter's factors
         (:meth:`MoELoRA.init_adapter`).
+      mesh: a ``jax.sharding.Mesh`` to run the block on (``None``: no
+        sharding). With a mesh, the state is created placed on it and every
+        call runs under ``shard_map`` (``nnx/sharded.py``); the axes:
+      expert_axis: the mesh axis that splits the routed experts (their
+        weights and the LoRA pool slots of their adapters, one expert
+        range per device) and the tokens; rows go to their experts' owners
+        and back with an all-to-all.
+      data_axis: mesh axis name(s) that split the tokens (weights replicated).
+      tensor_axis: the mesh axis that splits the expert (and shared expert)
+        intermediate dimension; partial outputs summed with a ``psum``.
+      capacity_factor, exchange: the expert-parallel dispatch
+        (``ops/dispatch.py``): ``None`` (default) sends blocks of every row
+        a device holds, exact; a factor ``f`` sends at most ``ceil(f * rows /
+        D)`` rows to each device and drops the rest; ``exchange`` is
+        ``"all_to_all"`` or ``"ragged_all_to_all"`` (GPU backends).
       rngs: initialisation keys.
 
     State: ``router`` (:class:`Router`, kernel ``[H, E]``), ``experts``
     (:class:`GluExperts` or :class:`GptOssExperts`), ``shared_experts``
     (:class:`SharedExperts` of width ``n_shared * I``, or ``None``), ``lora``
-    (:class:`MoELoRA` or ``None``).
+    (:class:`MoELoRA` or ``None``; with an expert axis its routed pools are
+    laid out in one shard per device, ``MoELoRA(expert_shards=...)``).
+    ``sharding``: the :class:`BlockSharding` or ``None``
+    (:func:`jax_moelora.nnx.shard_block` puts an existing block on a mesh).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
@@ -134,7 +165,18 @@ class MoEBlock(nnx.Module):
                  bias_init: Any = nnx.initializers.zeros_init(),
                  router_kernel_init: Any = None, router_bias_init: Any = None,
                  lora_a_initializer: Any = default_a_initializer,
-                 lora_b_initializer: Any = nnx.initializers.zeros_init(), rngs: nnx.Rngs):
+                 lora_b_initializer: Any = nnx.initializers.zeros_init(),
+                 mesh: Mesh | None = None, expert_axis: str | None = None,
+                 data_axis: str | Sequence[str] | None = None, tensor_axis: str | None = None,
+                 capacity_factor: float | None = None, exchange: str = "all_to_all",
+                 rngs: nnx.Rngs):
+        sharding = None
+        if mesh is not None:
+            sharding = BlockSharding.make(mesh, expert_axis=expert_axis, data_axis=data_axis,
+                                          tensor_axis=tensor_axis,
+                                          capacity_factor=capacity_factor, exchange=exchange)
+        elif any(a is not None for a in (expert_axis, data_axis, tensor_axis)):
+            raise ValueError("MoEBlock: expert_axis, data_axis and tensor_axis need a mesh")
         family = family_config(family)
         if norm_topk_prob is not None:
             if "norm_topk_prob" not in {f.name for f in dataclasses.fields(family)}:
@@ -166,11 +208,18 @@ class MoEBlock(nnx.Module):
         self.shared_experts = (SharedExperts(H, shared, dtype=self.dtype,
                                              param_dtype=self.param_dtype, rngs=rngs)
                                if shared else None)
+        if sharding is not None:
+            sharding.check_sizes(E, I, shared)
         self.lora = (MoELoRA(hidden_size=H, intermediate_size=I, num_experts=E,
                              shared_intermediate_size=shared, max_loras=max_loras,
                              max_rank=max_rank, dtype=dtype, router_dtype=router_dtype,
                              a_initializer=lora_a_initializer,
-                             b_initializer=lora_b_initializer) if lora else None)
+                             b_initializer=lora_b_initializer,
+                             expert_shards=1 if sharding is None else sharding.expert_shards)
+                     if lora else None)
+        self.sharding = sharding
+        if sharding is not None:
+            place_block(self)
 
     # The routed experts' weights under the names of the GLU families.
     @property
@@ -202,24 +251,39 @@ class MoEBlock(nnx.Module):
             logits = _fold_dense(xr, logits, routes.router, adapter_ids, impl)
         return self.router.select(logits)
 
-    def _path(self, grouped: bool) -> str:
-        if self.expert_path != "auto":
-            return self.expert_path
+    def _path(self, grouped: bool, option: ExpertPathOption | None = None) -> str:
+        option = self.expert_path if option is None else option
+        if option != "auto":
+            return option
         return "ragged" if grouped else "dense"
 
     def routed(self, x: Array, weights: Array, topk_ids: Array, adapter_ids: Array | None,
                routes: MoELoRARoutes | None, impl: str) -> Array:
         """The routed experts' weighted sum ``[T, H]`` (float32) for tokens ``x [T, H]``."""
-        t, k = topk_ids.shape
-        plan = plan_rows(topk_ids, self.num_experts, gather_max_rows=self.gather_max_rows,
+        return weighted_sum(weights, self.routed_rows(x, topk_ids, adapter_ids, routes, impl))
+
+    def routed_rows(self, x: Array, topk_ids: Array, adapter_ids: Array | None,
+                    routes: MoELoRARoutes | None, impl: str, *,
+                    num_experts: int | None = None,
+                    expert_path: ExpertPathOption | None = None) -> Array:
+        """Each token's chosen experts on it: ``[T * top_k, H]`` (``dtype``)
+        in flat order (row ``t * top_k + k``), LoRA deltas folded.
+
+        ``x [T, H]``, ``topk_ids`` int32 ``[T, top_k]`` in ``[0,
+        num_experts)`` (ids past it: rows of no expert, whose values are
+        unspecified), ``adapter_ids`` int32 ``[T]`` or None. ``num_experts``:
+        the experts the weights and routes hold (default the block's; the
+        local experts of a device under expert parallelism). ``expert_path``
+        replaces the block's option for this call."""
+        E = self.num_experts if num_experts is None else int(num_experts)
+        plan = plan_rows(topk_ids, E, gather_max_rows=self.gather_max_rows,
                          row_adapter=adapter_ids if routes is not None else None,
                          num_adapters=self.lora.max_loras if routes is not None else 0)
-        rows = ExpertRows.make(plan, self._path(plan.grouped), self.num_experts,
-                               self.expert_gemm)
+        path = self._path(plan.grouped, expert_path)
+        rows = ExpertRows.make(plan, path, E, self.expert_gemm)
         if (routes is not None and rows.path == "dense" and not plan.grouped
                 and isinstance(self.experts, GluExperts)):
-            d = self._routed_dense(x, topk_ids, adapter_ids, routes, impl)
-            return jnp.einsum("tk,tkh->th", weights, d.reshape(t, k, -1).astype(jnp.float32))
+            return self._routed_dense(x, topk_ids, adapter_ids, routes, impl)
         # gate and up with LoRA: one fold of their stacked route
         if routes is not None and plan.grouped:  # sorted rows, stacked [2, rows, I]
             gu = fold_planned(x, self.experts.first_stacked(x, rows), plan, routes.gate_up,
@@ -234,8 +298,7 @@ class MoEBlock(nnx.Module):
         d = self.experts.down(h, rows)
         if routes is not None:
             d = fold_planned(h, d, plan, routes.down, adapter_ids, x_gather=0, impl=impl)
-        d = plan.to_flat_order(d)
-        return jnp.einsum("tk,tkh->th", weights, d.reshape(t, k, -1).astype(jnp.float32))
+        return plan.to_flat_order(d)
 
     def _routed_dense(self, x: Array, topk_ids: Array, adapter_ids: Array,
                       routes: MoELoRARoutes, impl: str) -> Array:
@@ -281,7 +344,9 @@ class MoEBlock(nnx.Module):
           use_lora: ``False`` runs the plain block with no fold at all.
 
         Returns:
-          ``[..., H]`` in ``dtype``.
+          ``[..., H]`` in ``dtype``. On a mesh (``sharding``), ``x``'s tokens
+          are split over the data and expert axes (their count must divide),
+          and the result is sharded the same way.
         """
         lead = x.shape[:-1]
         if x.shape[-1] != self.hidden_size:
@@ -302,6 +367,9 @@ class MoEBlock(nnx.Module):
             routes = self.lora.routes()
         else:
             adapter_ids = None
+        if self.sharding is not None:
+            y = sharded_call(self, x2, adapter_ids, impl=impl, lora=routes is not None)
+            return y.reshape(*lead, self.hidden_size)
         weights, topk_ids = self.route(x2, adapter_ids, routes, impl)
         y = self.routed(x2, weights, topk_ids, adapter_ids, routes, impl).astype(self.dtype)
         if self.shared_experts is not None:
