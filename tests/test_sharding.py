@@ -28,7 +28,9 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
+    path = os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep)  # the subprocess imports this checkout
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path,
                XLA_FLAGS="--xla_force_host_platform_device_count=8")
     proc = subprocess.run([sys.executable, str(HERE / "_sharded_checks.py")], env=env,
                           capture_output=True, text=True, timeout=600, cwd=HERE.parent)
