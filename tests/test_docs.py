@@ -31,7 +31,7 @@ _CITED = re.compile(r"(?<![\w/.$-])((?:[\w.*{}<>|,-]+/)*[\w*{}<>|,-]+\." + _EXT 
 _WORDS = re.compile(r"\b(sessions?|device[ -]calls?|device tool|KINDS\.md|METHOD\.md|"
                     r"HOPPER\.md|H200\.md)\b", re.IGNORECASE)
 # pytest's `session` object (hook arguments, attribute access) is code, not prose.
-_PYTEST_SESSION = re.compile(r"\bsession(?=\.\w|\))")
+_PYTEST_SESSION = re.compile(r"\bsession(?=\.\w|\)|: pytest\.Session)")
 
 
 def _tree_files() -> list[str]:
@@ -144,6 +144,7 @@ def test_no_file_speaks_of_how_measurements_were_run():
 
 @pytest.mark.parametrize("line, found", [
     ("def pytest_runtestloop(session):", False),
+    ("def pytest_runtestloop(session: pytest.Session) -> bool | None:", False),
     ("    raise session.Interrupted(session.shouldstop)", False),
     ("# measured in the third session", True),
     ("see KINDS.md", True),

@@ -114,7 +114,5 @@ def save_adapter_slot(path: str | os.PathLike, blocks: Sequence[MoEBlock], slot:
               for i, projs in adapter.shared_experts.items()}
     family = blocks[0].family
     return save_peft_adapter(path, weights, r=r, lora_alpha=scale * r, dtype=dtype,
-                             router="router" if family.router_bias else "gate",
-                             gate_up_split=family.gate_up_split,
-                             shared_experts=shared or None,
+                             family=family, shared_experts=shared or None,
                              base_model_name_or_path=base_model_name_or_path)
