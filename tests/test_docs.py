@@ -31,7 +31,7 @@ _CITED = re.compile(r"(?<![\w/.$-])((?:[\w.*{}<>|,-]+/)*[\w*{}<>|,-]+\." + _EXT 
 _WORDS = re.compile(r"\b(sessions?|device[ -]calls?|device tool|KINDS\.md|METHOD\.md|"
                     r"HOPPER\.md|H200\.md)\b", re.IGNORECASE)
 # pytest's `session` object (hook arguments, attribute access) is code, not prose.
-_PYTEST_SESSION = re.compile(r"\bsession(?=\.\w|\)|: pytest\.Session)")
+_PYTEST_SESSION = re.compile(r"\bsession(?=\.\w|\)|: pytest\.Session)|\bpytest\.Session\b")
 
 
 def _tree_files() -> list[str]:
