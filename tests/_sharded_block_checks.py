@@ -221,6 +221,23 @@ def check_capacity_drop_rule():
         _equal(forward(sharded, x, ids), want, f"{layout} capacity_factor=1")
 
 
+def check_dispatch_chunks():
+    """dispatch_chunks=2 (pieces dispatched independently): bit for bit the
+    unsharded block, exact and with the drop rule applied per piece."""
+    ref = make_block("qwen3")
+    x, ids = inputs(4, T, 4)
+    _equal(forward(_sharded(ref, "ep_dp", dispatch_chunks=2), x, ids), forward(ref, x, ids),
+           "dispatch_chunks=2")
+    weights, topk_ids = _routing(ref, x, ids)
+    halves = np.asarray(topk_ids).reshape(16, -1)  # 8 token shards x 2 pieces
+    kept = _dropped_rows(halves.reshape(-1, 2), 16, 4, -(-(T // 16 * 2) // 4))
+    want = _forward_with_weights(ref, x, ids, weights * jnp.asarray(kept.reshape(T, 2), F32),
+                                 topk_ids)
+    assert 0 < kept.sum() < kept.size
+    _equal(forward(_sharded(ref, "ep_dp", dispatch_chunks=2, capacity_factor=1.0), x, ids),
+           want, "dispatch_chunks=2, capacity_factor=1")
+
+
 def check_exact_under_skewed_routing():
     """Every token routed to experts 0 and 1 (one device): the default
     capacity sends every row, bit for bit the unsharded block."""
@@ -410,6 +427,11 @@ def check_argument_errors():
     sharded = shard_block(nnx.clone(block), mesh, expert_axis="ep", data_axis="dp")
     x, ids = inputs(0, 12, 1)
     _raises(lambda: forward(sharded, x, ids), "12 tokens", "token axes")
+    _raises(lambda: shard_block(nnx.clone(block), mesh, expert_axis="ep", dispatch_chunks=0),
+            "dispatch_chunks")
+    chunked = shard_block(nnx.clone(block), mesh, expert_axis="ep", dispatch_chunks=3)
+    x, ids = inputs(0, 16, 1)
+    _raises(lambda: forward(chunked, x, ids), "dispatch_chunks=3")
 
 
 CHECKS = {**_register_forward(), **_register_grads(),

@@ -138,11 +138,14 @@ class MoEBlock(nnx.Module):
       data_axis: mesh axis name(s) that split the tokens (weights replicated).
       tensor_axis: the mesh axis that splits the expert (and shared expert)
         intermediate dimension; partial outputs summed with a ``psum``.
-      capacity_factor, exchange: the expert-parallel dispatch
-        (``ops/dispatch.py``): ``None`` (default) sends blocks of every row
-        a device holds, exact; a factor ``f`` sends at most ``ceil(f * rows /
-        D)`` rows to each device and drops the rest; ``exchange`` is
-        ``"all_to_all"`` or ``"ragged_all_to_all"`` (GPU backends).
+      capacity_factor, exchange, dispatch_chunks: the expert-parallel
+        dispatch (``ops/dispatch.py``): ``None`` (default) sends blocks of
+        every row a device holds, exact; a factor ``f`` sends at most
+        ``ceil(f * rows / D)`` rows to each device and drops the rest;
+        ``exchange`` is ``"all_to_all"`` or ``"ragged_all_to_all"`` (GPU
+        backends); ``dispatch_chunks`` splits a device's tokens into
+        independent pieces whose exchanges can overlap the others' expert
+        work (:class:`BlockSharding`).
       rngs: initialisation keys.
 
     State: ``router`` (:class:`Router`, kernel ``[H, E]``), ``experts``
@@ -169,12 +172,13 @@ class MoEBlock(nnx.Module):
                  mesh: Mesh | None = None, expert_axis: str | None = None,
                  data_axis: str | Sequence[str] | None = None, tensor_axis: str | None = None,
                  capacity_factor: float | None = None, exchange: str = "all_to_all",
-                 rngs: nnx.Rngs):
+                 dispatch_chunks: int = 1, rngs: nnx.Rngs):
         sharding = None
         if mesh is not None:
             sharding = BlockSharding.make(mesh, expert_axis=expert_axis, data_axis=data_axis,
                                           tensor_axis=tensor_axis,
-                                          capacity_factor=capacity_factor, exchange=exchange)
+                                          capacity_factor=capacity_factor, exchange=exchange,
+                                          dispatch_chunks=dispatch_chunks)
         elif any(a is not None for a in (expert_axis, data_axis, tensor_axis)):
             raise ValueError("MoEBlock: expert_axis, data_axis and tensor_axis need a mesh")
         family = family_config(family)

@@ -30,10 +30,15 @@ and ``B`` of down. Tokens: ``x [T, H]`` split over ``data_axis + (expert_axis,)`
 
 Exactness: without a tensor axis every row is computed as on one device, by
 the same code on the same values, so expert- and data-parallel results are
-the unsharded block's bits (the per-device batch can pick another fold path,
-the same bits on the CPU backends; ``docs/semantics.md``). With a tensor axis
-the partial sums round differently: within float32 rounding of a sum over
-``I`` (``docs/scaling.md``).
+the unsharded block's bits (the per-device batch can pick another fold path:
+the same bits on every backend but ``impl="fast"``, ``docs/semantics.md``).
+One caveat: with ``expert_path="auto"`` the experts' owners run the ragged
+path (grouped GEMM), where the unsharded block takes the dense path for
+decode-sized batches; the two GEMMs agree bit for bit at the tests' sizes
+on the CPU, and within one rounding of the activation dtype otherwise (an
+explicit ``expert_path`` runs the same path everywhere). With a tensor axis
+the partial sums round differently: within a few roundings of the
+activation dtype (``docs/scaling.md``).
 
 Gradients: ``jax.grad`` / ``nnx.grad`` through the call; the gradient of
 each variable comes back with that variable's sharding (replicated ones
@@ -101,8 +106,12 @@ class BlockSharding:
 
     Fields: ``mesh``; ``expert_axis``, ``tensor_axis`` (a mesh axis name or
     None); ``data_axis`` (a tuple of names, maybe empty); ``capacity_factor``
-    and ``exchange`` (the expert-parallel dispatch, ``ops/dispatch.py``).
-    Build it with :meth:`make`, which validates.
+    and ``exchange`` (the expert-parallel dispatch, ``ops/dispatch.py``);
+    ``dispatch_chunks``: a device's tokens dispatched in that many
+    independent pieces (each with its own exchanges and expert work, so
+    that one piece's exchange can run while another's experts compute; the
+    capacity and the drop rule apply per piece). Build it with
+    :meth:`make`, which validates.
     """
 
     mesh: Mesh
@@ -111,12 +120,13 @@ class BlockSharding:
     tensor_axis: str | None = None
     capacity_factor: float | None = None
     exchange: str = "all_to_all"
+    dispatch_chunks: int = 1
 
     @classmethod
     def make(cls, mesh: Mesh, *, expert_axis: str | None = None,
              data_axis: str | Sequence[str] | None = None, tensor_axis: str | None = None,
-             capacity_factor: float | None = None,
-             exchange: str = "all_to_all") -> "BlockSharding":
+             capacity_factor: float | None = None, exchange: str = "all_to_all",
+             dispatch_chunks: int = 1) -> "BlockSharding":
         """Validated: every axis a name of ``mesh``, no axis used twice."""
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -135,8 +145,11 @@ class BlockSharding:
             raise ValueError(f"capacity_factor must be > 0 or None, got {capacity_factor!r}")
         if exchange not in dispatch.EXCHANGES:
             raise ValueError(f"exchange must be one of {dispatch.EXCHANGES}, got {exchange!r}")
+        if (not isinstance(dispatch_chunks, int) or isinstance(dispatch_chunks, bool)
+                or dispatch_chunks < 1):
+            raise ValueError(f"dispatch_chunks must be a positive int, got {dispatch_chunks!r}")
         cf = None if capacity_factor is None else float(capacity_factor)
-        return cls(mesh, expert_axis, data, tensor_axis, cf, exchange)
+        return cls(mesh, expert_axis, data, tensor_axis, cf, exchange, dispatch_chunks)
 
     def _size(self, axis: str | None) -> int:
         return 1 if axis is None else int(self.mesh.shape[axis])
@@ -227,8 +240,8 @@ def place_block(block: "MoEBlock") -> None:
 
 def shard_block(block: "MoEBlock", mesh: Mesh, *, expert_axis: str | None = None,
                 data_axis: str | Sequence[str] | None = None, tensor_axis: str | None = None,
-                capacity_factor: float | None = None,
-                exchange: str = "all_to_all") -> "MoEBlock":
+                capacity_factor: float | None = None, exchange: str = "all_to_all",
+                dispatch_chunks: int = 1) -> "MoEBlock":
     """Put an existing block on ``mesh``, in place (``nnx.clone`` it first to
     keep the original); returns it.
 
@@ -239,7 +252,7 @@ def shard_block(block: "MoEBlock", mesh: Mesh, *, expert_axis: str | None = None
     ``MoEBlock``'s."""
     sharding = BlockSharding.make(mesh, expert_axis=expert_axis, data_axis=data_axis,
                                   tensor_axis=tensor_axis, capacity_factor=capacity_factor,
-                                  exchange=exchange)
+                                  exchange=exchange, dispatch_chunks=dispatch_chunks)
     shared = block.shared_experts.gate_proj.out_features if block.shared_experts else 0
     sharding.check_sizes(block.num_experts, block.intermediate_size, shared)
     if block.lora is not None and block.lora.expert_shards != sharding.expert_shards:
@@ -259,6 +272,10 @@ def sharded_call(block: "MoEBlock", x: Array, adapter_ids: Array | None, *, impl
     if t % sharding.token_shards:
         raise ValueError(f"MoEBlock: {t} tokens do not split over the {sharding.token_shards} "
                          f"devices of the token axes {sharding.token_axes}")
+    chunks = sharding.dispatch_chunks if sharding.expert_shards > 1 else 1
+    if (t // sharding.token_shards) % chunks:
+        raise ValueError(f"MoEBlock: a device's {t // sharding.token_shards} tokens do not "
+                         f"split into dispatch_chunks={chunks} pieces")
     if lora and block.lora.expert_shards != sharding.expert_shards:
         raise ValueError(f"MoEBlock: the LoRA pools have {block.lora.expert_shards} expert "
                          f"shards, the mesh's expert axis {sharding.expert_shards} devices; "
@@ -288,7 +305,7 @@ def _local_call(graphdef, treedef, sharding: BlockSharding, impl: str, lora: boo
     ids = adapter_ids if lora else None
     weights, topk_ids = block.route(x, ids, routes, impl)
     if sharding.expert_shards > 1:
-        rows = _expert_parallel_rows(block, x, topk_ids, ids, routes, impl, sharding)
+        rows = _chunked_rows(block, x, topk_ids, ids, routes, impl, sharding)
         weights = weights * rows.kept.reshape(weights.shape)
         d = rows.out
     else:
@@ -364,6 +381,23 @@ def local_routes(lora: "MoELoRA", sharding: BlockSharding) -> "MoELoRARoutes":
 class _Rows:
     out: Array   # [T * top_k, H] expert outputs in flat order (0 where dropped)
     kept: Array  # bool [T * top_k]
+
+
+def _chunked_rows(block: "MoEBlock", x: Array, topk_ids: Array, adapter_ids: Array | None,
+                  routes: "MoELoRARoutes | None", impl: str, sharding: BlockSharding) -> _Rows:
+    """:func:`_expert_parallel_rows` over ``dispatch_chunks`` consecutive
+    pieces of the device's tokens, independent of each other (XLA may run
+    one piece's exchange while another's experts compute)."""
+    pieces = sharding.dispatch_chunks
+    if pieces == 1:
+        return _expert_parallel_rows(block, x, topk_ids, adapter_ids, routes, impl, sharding)
+    step = x.shape[0] // pieces
+    parts = [_expert_parallel_rows(
+        block, x[i * step:(i + 1) * step], topk_ids[i * step:(i + 1) * step],
+        None if adapter_ids is None else adapter_ids[i * step:(i + 1) * step],
+        routes, impl, sharding) for i in range(pieces)]
+    return _Rows(jnp.concatenate([p.out for p in parts]),
+                 jnp.concatenate([p.kept for p in parts]))
 
 
 def _expert_parallel_rows(block: "MoEBlock", x: Array, topk_ids: Array,
