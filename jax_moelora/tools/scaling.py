@@ -28,6 +28,11 @@ rank 16; 4 adapters spread over the tokens):
 
 With ``--small`` the shapes shrink so that it also runs on CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=2``).
+
+``--block``: the whole ``MoEBlock`` with its experts split over 1, 2, 4, ...
+devices instead (weak and strong scaling of decode and prefill steps, the
+collectives' bytes per step against the model of ``docs/scaling.md``):
+``tools/block_scaling.py``, which takes the other options.
 """
 
 from __future__ import annotations
@@ -251,6 +256,11 @@ def _print_row(r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--block" in argv:
+        from jax_moelora.tools import block_scaling
+
+        return block_scaling.main([a for a in argv if a != "--block"])
     parser = argparse.ArgumentParser(prog="python -m jax_moelora.tools.scaling", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the rows (and the environment) here")
