@@ -15,7 +15,9 @@ imports this subpackage; it imports the library like any user would.
 - ``step_profile``: GPU kernel time per name from a profiler trace
   (``demo --timing --trace``, ``bench --trace``);
 - ``scaling``: multi-device correctness and weak scaling of the sharded folds
-  (``python -m jax_moelora.tools.scaling``).
+  (``python -m jax_moelora.tools.scaling``); ``block_scaling`` (``scaling
+  --block``): the MoE block on a mesh, weak and strong scaling, collective
+  bytes, and the cost model of docs/scaling.md.
 
 ``demo``, ``train`` and ``bench`` need the ``nnx``, ``peft`` and ``bench``
 extras (``pip install 'jax_moelora[all]'``).
