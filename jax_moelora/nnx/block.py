@@ -193,6 +193,8 @@ class MoEBlock(nnx.Module):
         if expert_gemm not in EXPERT_GEMMS:
             raise ValueError(f"expert_gemm must be one of {EXPERT_GEMMS}, got {expert_gemm!r}")
         H, I, E = hidden_size, intermediate_size, num_experts
+        if sharding is not None:  # before any weight is created
+            sharding.check_sizes(E, I, family.n_shared_experts * I)
         self.hidden_size, self.intermediate_size, self.num_experts = H, I, E
         self.top_k, self.family = int(top_k), family
         self.dtype, self.router_dtype = jnp.dtype(dtype), jnp.dtype(router_dtype)
@@ -212,8 +214,6 @@ class MoEBlock(nnx.Module):
         self.shared_experts = (SharedExperts(H, shared, dtype=self.dtype,
                                              param_dtype=self.param_dtype, rngs=rngs)
                                if shared else None)
-        if sharding is not None:
-            sharding.check_sizes(E, I, shared)
         self.lora = (MoELoRA(hidden_size=H, intermediate_size=I, num_experts=E,
                              shared_intermediate_size=shared, max_loras=max_loras,
                              max_rank=max_rank, dtype=dtype, router_dtype=router_dtype,
