@@ -30,10 +30,8 @@ By hand: ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/_shar
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +41,7 @@ from jax.sharding import Mesh
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _block_cases import random_adapter  # noqa: E402
+from _sharded_checks import run_checks  # noqa: E402
 from _sharded_block_cases import (  # noqa: E402
     E, FAMILIES, H, forward, host, inputs, lora_grad, make_block)
 
@@ -439,19 +438,5 @@ CHECKS = {**_register_forward(), **_register_grads(),
              if name.startswith("check_")}}
 
 
-def main(names: list[str]) -> int:
-    assert len(jax.devices()) >= 8, f"needs 8 devices, got {jax.devices()}"
-    failed = 0
-    for name in names or list(CHECKS):
-        try:
-            CHECKS[name]()
-            result = {"check": name, "ok": True}
-        except Exception:  # report every check, not only the first failure
-            failed += 1
-            result = {"check": name, "ok": False, "detail": traceback.format_exc()}
-        print(json.dumps(result), flush=True)
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_checks(CHECKS, sys.argv[1:]))

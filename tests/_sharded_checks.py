@@ -166,12 +166,13 @@ CHECKS = {name[len("check_"):]: fn for name, fn in globals().items()
           if name.startswith("check_")}
 
 
-def main(names: list[str]) -> int:
+def run_checks(checks: dict, names: list[str]) -> int:
+    """Run ``checks`` (all, or those named), one JSON line each; 1 if any failed."""
     assert len(jax.devices()) >= 8, f"needs 8 devices, got {jax.devices()}"
     failed = 0
-    for name in names or list(CHECKS):
+    for name in names or list(checks):
         try:
-            CHECKS[name]()
+            checks[name]()
             result = {"check": name, "ok": True}
         except Exception:  # report every check, not only the first failure
             failed += 1
@@ -181,4 +182,4 @@ def main(names: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_checks(CHECKS, sys.argv[1:]))
