@@ -481,11 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_block_cases(args.small, args.runs, args.reps, args.variants, tuple(args.phases))
     correct = all(r.get("bit_identical", True) or "capacity_factor" in VARIANTS[r["variant"]]
                   for r in rows)
-    print(f"correct: {correct}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"env": env, "rows": rows, "correct": correct}, f, indent=2)
-    return 0 if correct else 1
+    from jax_moelora.tools.scaling import report
+
+    return report(env, rows, correct, args.json)
 
 
 if __name__ == "__main__":

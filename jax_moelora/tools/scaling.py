@@ -255,6 +255,16 @@ def _print_row(r: dict) -> None:
           flush=True)
 
 
+def report(env: dict, rows: list[dict], correct: bool, path: str | None) -> int:
+    """Print whether every row is correct, write ``{env, rows, correct}`` to
+    ``path`` (JSON) when given; the exit status."""
+    print(f"correct: {correct}")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"env": env, "rows": rows, "correct": correct}, f, indent=2)
+    return 0 if correct else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--block" in argv:
@@ -278,11 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_cases(args.small, args.runs, args.reps, args.only)
     correct = all(r.get("bit_identical", True) for r in rows) and all(
         r.get(k, 0.0) < 2e-2 for r in rows for k in ("grad_rel_err_a_pool", "grad_rel_err_b_pool"))
-    print(f"correct: {correct}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"env": env, "rows": rows, "correct": correct}, f, indent=2)
-    return 0 if correct else 1
+    return report(env, rows, correct, args.json)
 
 
 if __name__ == "__main__":
