@@ -1,4 +1,4 @@
-// CUDA helpers shared by the seed and fast kernels: dtype traits (fp32
+// CUDA helpers shared by the simple and fast kernels: dtype traits (fp32
 // accumulation, round-to-nearest-even to the activation dtype) and the
 // launch-argument structs the handlers hand to the kernel launchers.
 #pragma once
@@ -86,9 +86,9 @@ __device__ __forceinline__ void store_warp_sums(float (&v)[N], float* dst) {
 }
 
 // Sum of `v` over each group of kGbgmvThreadsPerOutput consecutive threads of
-// a kGbgmvThreads block (the seed kernels' one-output-per-64-threads layout).
+// a kGbgmvThreads block (the simple kernels' one-output-per-64-threads layout).
 // Every thread of the block must call it (it synchronises the block).
-__device__ __forceinline__ float seed_group_sum(float v) {
+__device__ __forceinline__ float block_output_group_sum(float v) {
   constexpr int kWarps = kGbgmvThreads / 32;
   constexpr int kWarpsPerGroup = kGbgmvThreadsPerOutput / 32;
   __shared__ float partial[kWarps];
@@ -168,10 +168,10 @@ struct GroupedArgs {
   bool pdl;  // the expand may use programmatic dependent launch after the shrink
 };
 
-// The seed-design kernels (moe_lora_gather_bgmv.cu, moe_lora_grouped_down.cu):
+// The simple kernels (moe_lora_gather_bgmv.cu, moe_lora_grouped_down.cu):
 // two launches each, shrink into xa then expand-and-fold.
-cudaError_t launch_gather_seed(const GatherArgs& args, cudaStream_t stream);
-cudaError_t launch_grouped_seed(const GroupedArgs& args, cudaStream_t stream);
+cudaError_t launch_gather_simple(const GatherArgs& args, cudaStream_t stream);
+cudaError_t launch_grouped_simple(const GroupedArgs& args, cudaStream_t stream);
 
 // The kernels' dtype of an FFI element type (bf16, f16 or f32).
 inline xla::ffi::Error cuda_dtype(xla::ffi::DataType t, DType* out) {
@@ -183,7 +183,7 @@ inline xla::ffi::Error cuda_dtype(xla::ffi::DataType t, DType* out) {
   }
 }
 
-// The tuned kernels (ffi_src/fast/). They fold exactly like the seed
+// The tuned kernels (ffi_src/fast/). They fold exactly like the simple
 // kernels (same skip rules, same roundings; summation order may differ).
 cudaError_t launch_gather_fast(const GatherArgs& args, cudaStream_t stream);
 cudaError_t launch_grouped_fast(const GroupedArgs& args, cudaStream_t stream);
@@ -194,19 +194,19 @@ cudaError_t launch_grouped_fast(const GroupedArgs& args, cudaStream_t stream);
 // into an FFI error naming `op`.
 template <class Args>
 xla::ffi::Error launch_variant(const char* op, int64_t variant, const Args& args,
-                               cudaError_t (*seed)(const Args&, cudaStream_t),
+                               cudaError_t (*simple)(const Args&, cudaStream_t),
                                cudaError_t (*fast)(const Args&, cudaStream_t), const void* base,
                                size_t bytes, bool launch, cudaStream_t stream,
                                const void* base2 = nullptr, void* out2 = nullptr,
                                size_t bytes2 = 0) {
-  if (variant != kVariantSeed && variant != kVariantFast)
+  if (variant != kVariantSimple && variant != kVariantFast)
     return xla::ffi::Error::InvalidArgument(std::string(op) + ": unknown variant");
   cudaError_t err = cudaSuccess;
   if (base != args.out)
     err = cudaMemcpyAsync(args.out, base, bytes, cudaMemcpyDeviceToDevice, stream);
   if (err == cudaSuccess && bytes2 && base2 != out2)
     err = cudaMemcpyAsync(out2, base2, bytes2, cudaMemcpyDeviceToDevice, stream);
-  if (err == cudaSuccess && launch) err = (variant == kVariantSeed ? seed : fast)(args, stream);
+  if (err == cudaSuccess && launch) err = (variant == kVariantSimple ? simple : fast)(args, stream);
   if (err != cudaSuccess)
     return xla::ffi::Error::Internal(std::string(op) + ": " + cudaGetErrorString(err));
   return xla::ffi::Error::Success();

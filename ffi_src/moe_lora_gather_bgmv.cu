@@ -1,6 +1,6 @@
-// moe_lora_gather_bgmv for CUDA: the seed-design kernels and the FFI handler.
+// moe_lora_gather_bgmv for CUDA: the simple kernels and the FFI handler.
 //
-// Seed geometry (docs/semantics.md §4): per fold two kernels of 256-thread blocks,
+// Simple geometry (docs/semantics.md §4): per fold two kernels of 256-thread blocks,
 // each block computing 4 outputs of one flat row, 64 threads per output.
 //   shrink: grid (ceil(R / 4), n_slots, 1), xa[row, j] = round(x[x_row] . A[j])
 //   expand: grid (ceil(N / 4), n_slots, 1), out[row, n] = round(out + s * round(xa . B[n]))
@@ -33,7 +33,7 @@ __device__ __forceinline__ bool gather_row(const GatherArgs& a, int64_t row, Gat
 
 template <DType D>
 __global__ void __launch_bounds__(kGbgmvThreads)
-    gather_shrink_seed(GatherArgs a, int64_t row_base) {
+    gather_shrink_simple(GatherArgs a, int64_t row_base) {
   using Tr = Traits<D>;
   using T = typename Tr::T;
   const int64_t row = row_base + blockIdx.y;
@@ -48,13 +48,13 @@ __global__ void __launch_bounds__(kGbgmvThreads)
     for (int64_t k = lane; k < a.K; k += kGbgmvThreadsPerOutput)
       acc += Tr::to_f(x[k]) * Tr::to_f(w[k]);
   }
-  const float s = seed_group_sum(acc);
+  const float s = block_output_group_sum(acc);
   if (j < a.R && lane == 0) static_cast<T*>(a.xa)[row * a.R + j] = Tr::from_f(s);
 }
 
 template <DType D>
 __global__ void __launch_bounds__(kGbgmvThreads)
-    gather_expand_seed(GatherArgs a, int64_t row_base) {
+    gather_expand_simple(GatherArgs a, int64_t row_base) {
   using Tr = Traits<D>;
   using T = typename Tr::T;
   const int64_t row = row_base + blockIdx.y;
@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kGbgmvThreads)
     for (int64_t j = lane; j < a.R; j += kGbgmvThreadsPerOutput)
       acc += Tr::to_f(xa[j]) * Tr::to_f(w[j]);
   }
-  const float s = seed_group_sum(acc);
+  const float s = block_output_group_sum(acc);
   if (n < a.N && lane == 0) {
     T* o = a.out_row<T>(row, g.expert) + n;
     const float delta = Tr::to_f(Tr::from_f(s));
@@ -78,14 +78,14 @@ __global__ void __launch_bounds__(kGbgmvThreads)
 }
 
 template <DType D>
-cudaError_t launch_seed(const GatherArgs& a, cudaStream_t stream) {
+cudaError_t launch_simple(const GatherArgs& a, cudaStream_t stream) {
   const unsigned shrink_x = unsigned((a.R + kGbgmvNPerBlock - 1) / kGbgmvNPerBlock);
   const unsigned expand_x = unsigned((a.N + kGbgmvNPerBlock - 1) / kGbgmvNPerBlock);
   // grid.y is capped at 65535 rows per launch; larger batches take several.
   for (int64_t base = 0; base < a.n_slots; base += kMaxGridY) {
     const unsigned rows = unsigned(std::min<int64_t>(kMaxGridY, a.n_slots - base));
-    gather_shrink_seed<D><<<dim3(shrink_x, rows, 1), kGbgmvThreads, 0, stream>>>(a, base);
-    gather_expand_seed<D><<<dim3(expand_x, rows, 1), kGbgmvThreads, 0, stream>>>(a, base);
+    gather_shrink_simple<D><<<dim3(shrink_x, rows, 1), kGbgmvThreads, 0, stream>>>(a, base);
+    gather_expand_simple<D><<<dim3(expand_x, rows, 1), kGbgmvThreads, 0, stream>>>(a, base);
   }
   return cudaPeekAtLastError();
 }
@@ -131,19 +131,19 @@ ffi::Error GatherBgmvCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
                   dense_tokens,
                   dense_experts,
                   pdl != 0};
-  return launch_variant("moe_lora_gather_bgmv", variant, args, launch_gather_seed,
+  return launch_variant("moe_lora_gather_bgmv", variant, args, launch_gather_simple,
                         launch_gather_fast, base.untyped_data(), base.size_bytes(), true, stream,
                         base2.untyped_data(), args.out2, two ? base2.size_bytes() : 0);
 }
 
 }  // namespace
 
-cudaError_t launch_gather_seed(const GatherArgs& a, cudaStream_t stream) {
+cudaError_t launch_gather_simple(const GatherArgs& a, cudaStream_t stream) {
   if (a.n_slots == 0) return cudaSuccess;
   switch (a.dtype) {
-    case DType::kBf16: return launch_seed<DType::kBf16>(a, stream);
-    case DType::kF16: return launch_seed<DType::kF16>(a, stream);
-    case DType::kF32: return launch_seed<DType::kF32>(a, stream);
+    case DType::kBf16: return launch_simple<DType::kBf16>(a, stream);
+    case DType::kF16: return launch_simple<DType::kF16>(a, stream);
+    case DType::kF32: return launch_simple<DType::kF32>(a, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -1,6 +1,6 @@
-// moe_lora_grouped_down for CUDA: the seed-design kernels and the FFI handler.
+// moe_lora_grouped_down for CUDA: the simple kernels and the FFI handler.
 //
-// Seed geometry (docs/semantics.md §4): per fold two kernels of 256-thread blocks
+// Simple geometry (docs/semantics.md §4): per fold two kernels of 256-thread blocks
 // over the grid (ceil(out / 4), grouped_down_wc(row_offset, row_end), E_t):
 // block (x, y, z) computes 4 outputs (64 threads each) for every row of
 // window tile y (MLG_M_TILE rows) that expert z owns.
@@ -48,7 +48,7 @@ __device__ __forceinline__ bool grouped_row(const GroupedArgs& a, int64_t r, int
 
 template <DType D>
 __global__ void __launch_bounds__(kGbgmvThreads)
-    grouped_shrink_seed(GroupedArgs a, int64_t tile_base) {
+    grouped_shrink_simple(GroupedArgs a, int64_t tile_base) {
   using Tr = Traits<D>;
   using T = typename Tr::T;
   if (!offsets_well_formed(a.expert_offsets, a.num_experts, a.te)) return;  // uniform
@@ -68,14 +68,14 @@ __global__ void __launch_bounds__(kGbgmvThreads)
       for (int64_t k = lane; k < a.K; k += kGbgmvThreadsPerOutput)
         acc += Tr::to_f(x[k]) * Tr::to_f(w[k]);
     }
-    const float s = seed_group_sum(acc);
+    const float s = block_output_group_sum(acc);
     if (j < a.R && lane == 0) static_cast<T*>(a.xa)[r * a.R + j] = Tr::from_f(s);
   }
 }
 
 template <DType D>
 __global__ void __launch_bounds__(kGbgmvThreads)
-    grouped_expand_seed(GroupedArgs a, int64_t tile_base) {
+    grouped_expand_simple(GroupedArgs a, int64_t tile_base) {
   using Tr = Traits<D>;
   using T = typename Tr::T;
   if (!offsets_well_formed(a.expert_offsets, a.num_experts, a.te)) return;  // uniform
@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(kGbgmvThreads)
       for (int64_t j = lane; j < a.R; j += kGbgmvThreadsPerOutput)
         acc += Tr::to_f(xa[j]) * Tr::to_f(w[j]);
     }
-    const float s = seed_group_sum(acc);
+    const float s = block_output_group_sum(acc);
     if (n < a.N && lane == 0) {
       T* o = static_cast<T*>(a.out) + out_row * a.N + n;
       const float delta = Tr::to_f(Tr::from_f(s));
@@ -111,7 +111,7 @@ int64_t window_tiles(int64_t row_offset, int64_t row_end) {
 }
 
 template <DType D>
-cudaError_t launch_seed(const GroupedArgs& a, cudaStream_t stream) {
+cudaError_t launch_simple(const GroupedArgs& a, cudaStream_t stream) {
   const unsigned shrink_x = unsigned((a.R + kGbgmvNPerBlock - 1) / kGbgmvNPerBlock);
   const unsigned expand_x = unsigned((a.N + kGbgmvNPerBlock - 1) / kGbgmvNPerBlock);
   const int64_t wc = window_tiles(a.row_offset, a.row_end);
@@ -120,8 +120,8 @@ cudaError_t launch_seed(const GroupedArgs& a, cudaStream_t stream) {
   // launches are ordered on the stream. grid.y is capped at 65535 tiles.
   for (int64_t base = 0; base < wc; base += kMaxGridY) {
     const unsigned tiles = unsigned(std::min<int64_t>(kMaxGridY, wc - base));
-    grouped_shrink_seed<D><<<dim3(shrink_x, tiles, experts), kGbgmvThreads, 0, stream>>>(a, base);
-    grouped_expand_seed<D><<<dim3(expand_x, tiles, experts), kGbgmvThreads, 0, stream>>>(a, base);
+    grouped_shrink_simple<D><<<dim3(shrink_x, tiles, experts), kGbgmvThreads, 0, stream>>>(a, base);
+    grouped_expand_simple<D><<<dim3(expand_x, tiles, experts), kGbgmvThreads, 0, stream>>>(a, base);
   }
   return cudaPeekAtLastError();
 }
@@ -171,18 +171,18 @@ ffi::Error GroupedDownCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
                    has_out_rows ? out_rows.typed_data() : nullptr,
                    base.dimensions()[0],
                    pdl != 0};
-  return launch_variant("moe_lora_grouped_down", variant, args, launch_grouped_seed,
+  return launch_variant("moe_lora_grouped_down", variant, args, launch_grouped_simple,
                         launch_grouped_fast, base.untyped_data(), base.size_bytes(),
                         args.row_offset < args.row_end, stream);
 }
 
 }  // namespace
 
-cudaError_t launch_grouped_seed(const GroupedArgs& a, cudaStream_t stream) {
+cudaError_t launch_grouped_simple(const GroupedArgs& a, cudaStream_t stream) {
   switch (a.dtype) {
-    case DType::kBf16: return launch_seed<DType::kBf16>(a, stream);
-    case DType::kF16: return launch_seed<DType::kF16>(a, stream);
-    case DType::kF32: return launch_seed<DType::kF32>(a, stream);
+    case DType::kBf16: return launch_simple<DType::kBf16>(a, stream);
+    case DType::kF16: return launch_simple<DType::kF16>(a, stream);
+    case DType::kF32: return launch_simple<DType::kF32>(a, stream);
   }
   return cudaErrorInvalidValue;
 }

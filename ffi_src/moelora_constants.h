@@ -7,9 +7,9 @@
 
 namespace moelora {
 
-// Rows per grouped-fold tile of the seed-design kernels (docs/semantics.md §4).
+// Rows per grouped-fold tile of the simple kernels (docs/semantics.md §4).
 inline constexpr int kMlgMTile = 64;
-// Seed gather geometry: 256-thread blocks computing 4 outputs, 64 threads each.
+// Simple gather geometry: 256-thread blocks computing 4 outputs, 64 threads each.
 inline constexpr int kGbgmvThreads = 256;
 inline constexpr int kGbgmvNPerBlock = 4;
 inline constexpr int kGbgmvThreadsPerOutput = kGbgmvThreads / kGbgmvNPerBlock;
@@ -20,7 +20,7 @@ inline constexpr int kMaxRank = 256;
 
 // Value of the `variant` attribute of both custom calls.
 enum Variant : int64_t {
-  kVariantSeed = 0,  // seed geometry: shrink into xa, then expand-and-fold
+  kVariantSimple = 0,  // simple geometry: shrink into xa, then expand-and-fold
   kVariantFast = 1,  // tuned kernels
 };
 

@@ -43,7 +43,7 @@ NB_MODULE(_moelora, m) {
   m.attr("GBGMV_THREADS_PER_OUTPUT") = moelora::kGbgmvThreadsPerOutput;
   m.attr("RANK_ALIGN") = moelora::kRankAlign;
   m.attr("MAX_RANK") = moelora::kMaxRank;
-  m.attr("VARIANT_SEED") = static_cast<int>(moelora::kVariantSeed);
+  m.attr("VARIANT_SIMPLE") = static_cast<int>(moelora::kVariantSimple);
   m.attr("VARIANT_FAST") = static_cast<int>(moelora::kVariantFast);
   m.attr("X_ROWS") = static_cast<int>(moelora::kXRows);
   m.attr("X_TOKENS") = static_cast<int>(moelora::kXTokens);

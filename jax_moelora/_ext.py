@@ -53,7 +53,7 @@ GBGMV_N_PER_BLOCK: int = ext.GBGMV_N_PER_BLOCK
 GBGMV_THREADS_PER_OUTPUT: int = ext.GBGMV_THREADS_PER_OUTPUT
 RANK_ALIGN: int = ext.RANK_ALIGN
 MAX_RANK: int = ext.MAX_RANK
-VARIANT_SEED: int = ext.VARIANT_SEED
+VARIANT_SIMPLE: int = ext.VARIANT_SIMPLE
 VARIANT_FAST: int = ext.VARIANT_FAST
 # The gather fold's x layouts (its `x_gather` attribute): flat rows, tokens,
 # the dense expert layout of the outputs.

@@ -1,7 +1,8 @@
-"""Launch geometry of the seed-design kernels (docs/semantics.md §4).
+"""Launch geometry of the simple kernels (docs/semantics.md §4).
 
-These functions describe the grids the ``impl="seed"`` CUDA kernels launch
-with; they need no GPU, so tests check the window and grid arithmetic on any
+These functions describe the grids the ``impl="simple"`` CUDA kernels launch
+with (two launches per fold: a shrink into ``xa``, then an expand-and-fold);
+they need no GPU, so tests check the window and grid arithmetic on any
 machine. ``MLG_M_TILE`` is the value the extension was compiled with.
 """
 
@@ -44,7 +45,7 @@ def _check_nonneg(**values: int) -> None:
 def gather_bgmv_grids(
     max_rank: int, n_out: int, n_slots: int
 ) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """``(shrink, expand)`` grids of the seed gather fold.
+    """``(shrink, expand)`` grids of the simple gather fold.
 
     Each 256-thread block computes 4 outputs of one row (64 threads each):
     shrink ``(ceil(max_rank / 4), n_slots, 1)``, expand

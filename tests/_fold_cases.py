@@ -63,9 +63,9 @@ def concrete_impl(impl: str) -> str:
         return resolve_impl(impl)
 
 
-def is_seed_design(impl: str) -> bool:
-    """Backends held to the ulp criterion of docs/semantics.md §6 (seed kernels, CPU handlers)."""
-    return concrete_impl(impl) in ("cpu", "seed")
+def is_ulp_strict(impl: str) -> bool:
+    """Backends held to the ulp criterion of docs/semantics.md §6 (simple kernels, CPU handlers)."""
+    return concrete_impl(impl) in ("cpu", "simple")
 
 
 def to_device(tree: Any) -> Any:
@@ -424,7 +424,7 @@ def ulp_distance(a, b) -> np.ndarray:
 
 
 def assert_ulp_close(out, want, what: str = "output") -> None:
-    """docs/semantics.md §6 for the seed kernels and CPU handlers in bf16/f16: every value
+    """docs/semantics.md §6 for the simple kernels and CPU handlers in bf16/f16: every value
     within 2 ulp, at least 99 % within 1 ulp."""
     d = ulp_distance(out, want)
     assert d.max(initial=0) <= 2, (
@@ -447,7 +447,7 @@ def check_fold(case: FoldCase, out, *, strict: bool, ref: np.ndarray | None = No
     - every row that must fold was written (differs from ``base_out``);
     - no NaN where the reference is finite;
     - the delta ``out - base`` is within ``DELTA_RTOL`` of the reference's;
-    - ``strict`` (seed kernels, CPU handlers): bf16/f16 outputs within 2 ulp,
+    - ``strict`` (simple kernels, CPU handlers): bf16/f16 outputs within 2 ulp,
       >= 99 % within 1 ulp. For f32 there is no intermediate rounding, so
       the result differs from the float64 reference by the fp32 summation
       error (many f32 ulp for long sums): the norm criterion applies.

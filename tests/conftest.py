@@ -57,7 +57,7 @@ def assert_pure_device(fn, *args) -> None:
 # GPU test (marked ``gpu``, so ``-m gpu`` selects it) however its file lists
 # the backends (``backends()["impls"]`` holds them there); without a GPU the
 # only such cases are the checks that they are refused.
-CUDA_BACKENDS = ("seed", "fast")
+CUDA_BACKENDS = ("simple", "fast")
 
 
 def pytest_collection_modifyitems(config, items):

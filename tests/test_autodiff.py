@@ -20,7 +20,7 @@ from _transform_cases import make_case, make_route, sorted_layout
 from jax_moelora import backends, moe_lora_fold, moe_lora_gather_bgmv, moe_lora_grouped_down
 from jax_moelora.ops import autodiff, jnp_fold
 
-IMPLS = backends()["impls"]  # ["cpu", "jnp"] on a CPU, ["fast", "seed", "jnp"] on a GPU
+IMPLS = backends()["impls"]  # ["cpu", "jnp"] on a CPU, ["fast", "simple", "jnp"] on a GPU
 MODES = ["dense", "tiled", "grouped"]
 F32 = jnp.float32
 

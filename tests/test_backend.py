@@ -161,3 +161,76 @@ def test_explicit_impl_is_checked_against_the_default_platform():
             backend.check_impl("fast")
     with pytest.raises(ValueError, match="impl must be one of"):
         backend.check_impl("cuda")
+
+
+def test_seed_is_a_deprecated_alias_of_simple():
+    """``impl="seed"`` (the old name of ``"simple"``) is not a backend of its
+    own: ``check_impl`` warns and checks it as ``"simple"``, so on the CPU it
+    is refused as ``"simple"`` is, naming ``"simple"``."""
+    assert "seed" not in backend.IMPLS and "simple" in backend.IMPLS
+    assert backend.DEPRECATED_IMPLS == {"seed": "simple"}
+    assert backend.FFI_VARIANT["simple"] == _ext.VARIANT_SIMPLE
+    with jax.default_device(jax.devices("cpu")[0]):
+        with pytest.warns(DeprecationWarning, match="impl='seed' is deprecated; use impl='simple'"):
+            with pytest.raises(ValueError, match="impl='simple' needs the CUDA kernels on a GPU"):
+                backend.check_impl("seed")
+        with pytest.warns(DeprecationWarning, match="use impl='simple'"):
+            with pytest.raises(ValueError, match="impl='simple' needs the CUDA kernels"):
+                backend.resolve_impl("seed")
+
+
+def test_seed_alias_warns_at_the_folds_entry(case):
+    """The folds validate ``impl`` through ``check_impl``: ``"seed"`` warns
+    there and is then refused on the CPU exactly as ``"simple"`` is."""
+    def fold(impl):
+        return ml.moe_lora_fold(case.x, case.base_out, case.topk_ids, case.route,
+                                case.row_adapter, x_gather=1, impl=impl)
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        with pytest.raises(ValueError, match="impl='simple' needs the CUDA kernels") as simple:
+            fold("simple")
+        with pytest.warns(DeprecationWarning, match="impl='seed' is deprecated"):
+            with pytest.raises(ValueError, match="impl='simple' needs the CUDA kernels") as seed:
+                fold("seed")
+    assert str(seed.value) == str(simple.value)
+
+
+def _no_locations(text: str) -> str:
+    """A lowering without its source locations (the two lambdas' lines differ)."""
+    text = "\n".join(line for line in text.splitlines() if not line.startswith("#loc"))
+    return re.sub(r"\s*loc\([^\n]*?\)(?=\s*$)", "", text, flags=re.MULTILINE)
+
+
+@pytest.mark.parametrize("path", ["gather", "sorted"])
+def test_seed_alias_lowers_to_the_simple_kernels(case, path, monkeypatch):
+    """Lowered for CUDA (as if computations went to a GPU), ``impl="seed"`` and
+    ``impl="simple"`` give the same program: the simple kernels' variant."""
+    monkeypatch.setattr(backend, "gpu_now", lambda: True)
+    limit = case.base_out.shape[0] if path == "gather" else 0
+
+    def lowered(impl):
+        def f(x, b, r):
+            return ml.moe_lora_fold(x, b, case.topk_ids, r, case.row_adapter, x_gather=1,
+                                    gather_max_rows=limit, impl=impl)
+
+        return _lowered(f, case.x, case.base_out, case.route, platform="cuda")
+
+    simple = lowered("simple")
+    with pytest.warns(DeprecationWarning, match="use impl='simple'"):
+        seed = lowered("seed")
+    target = _ext.GATHER_BGMV_TARGET if path == "gather" else _ext.GROUPED_DOWN_TARGET
+    assert _calls(simple) == {target: [_ext.VARIANT_SIMPLE]}
+    assert _no_locations(seed) == _no_locations(simple)
+
+
+@pytest.mark.gpu
+def test_seed_alias_folds_as_simple_on_a_gpu(case):
+    """On a GPU the alias runs the simple kernels: the same bits as ``"simple"``."""
+    def fold(impl):
+        return ml.moe_lora_fold(case.x, case.base_out, case.topk_ids, case.route,
+                                case.row_adapter, x_gather=1, impl=impl)
+
+    want = fold("simple")
+    with pytest.warns(DeprecationWarning, match="use impl='simple'"):
+        got = fold("seed")
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))

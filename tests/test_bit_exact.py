@@ -31,7 +31,7 @@ from jax_moelora.ops import autodiff
 from jax_moelora.reference import round_to
 
 GPU = pytest.mark.gpu
-IMPLS = ["cpu", "jnp", pytest.param("seed", marks=GPU), pytest.param("fast", marks=GPU)]
+IMPLS = ["cpu", "jnp", pytest.param("simple", marks=GPU), pytest.param("fast", marks=GPU)]
 LOW = [jnp.bfloat16, jnp.float16]
 LOW_IDS = ["bf16", "f16"]
 FOLD_SCALES = np.array([0.75, -0.625, 1.25, -1.5], np.float32)

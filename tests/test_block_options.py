@@ -27,7 +27,7 @@ GPU = pytest.mark.gpu
 
 
 def _impls():
-    return ["cpu", "jnp", pytest.param("fast", marks=GPU), pytest.param("seed", marks=GPU)]
+    return ["cpu", "jnp", pytest.param("fast", marks=GPU), pytest.param("simple", marks=GPU)]
 
 
 def _platform(impl):

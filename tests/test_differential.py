@@ -7,7 +7,7 @@ contract (expert ids negative, past the table or at the int32 edges, adapter
 values ``-1`` and ``>= L``, table cells outside the pool, decreasing, negative
 or overflowing ``expert_offsets``, token ids out of range, NaN and inf in
 ``x`` or ``base_out``, zero-padded ranks); NumPy draws the values from a seed.
-Every available backend (``cpu`` and ``jnp`` on any machine; ``seed`` and
+Every available backend (``cpu`` and ``jnp`` on any machine; ``simple`` and
 ``fast`` join on a GPU) must then
 
 - leave every row the rules skip bit-identical to ``base_out`` (NaN payloads
@@ -40,7 +40,7 @@ from conftest import HAS_GPU
 FUZZ_EXAMPLES = int(os.environ.get("MOELORA_FUZZ_EXAMPLES", "12"))
 SETTINGS = settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck), print_blob=True)
-IMPLS = ["cpu", "jnp"] + (["seed", "fast"] if HAS_GPU else [])
+IMPLS = ["cpu", "jnp"] + (["simple", "fast"] if HAS_GPU else [])
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 # unit roundoff of the activation dtype (f32 has no intermediate rounding)
 UNIT = {"f32": 0.0, "bf16": 2.0**-8, "f16": 2.0**-11}
@@ -291,4 +291,4 @@ def test_fold_paths_agree(shape, top_k, num_tokens, x_gather, with_map, bad, sor
 
 @pytest.mark.gpu
 def test_gpu_joins_the_comparison():
-    assert {"seed", "fast"} <= set(IMPLS)
+    assert {"simple", "fast"} <= set(IMPLS)

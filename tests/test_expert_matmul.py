@@ -482,7 +482,7 @@ def _args(rng, **kw):
     (lambda a: dict(stacked=True), ValueError, "stacked=True needs a gate/up pair"),
     (lambda a: dict(w=(a["w"], a["w"]), lora=None, glu=True, stacked=True), ValueError,
      "and glu=False"),
-    (lambda a: dict(impl="seed"), ValueError, "impl must be one of"),
+    (lambda a: dict(impl="simple"), ValueError, "impl must be one of"),
     (lambda a: dict(schedule="warp"), ValueError, "schedule must be one of"),
     (lambda a: dict(lora="route"), TypeError, "lora must be a MoeExpertRoute"),
 ])

@@ -304,8 +304,8 @@ def test_errors_are_raised_at_trace_time(op, change, match):
 
 # --------------------------------------------------------------- impl
 
-@pytest.mark.skipif(HAS_GPU, reason="on a GPU with the CUDA kernels seed/fast are available")
-@pytest.mark.parametrize("impl", ["seed", "fast"])
+@pytest.mark.skipif(HAS_GPU, reason="on a GPU with the CUDA kernels simple/fast are available")
+@pytest.mark.parametrize("impl", ["simple", "fast"])
 def test_cuda_impl_without_cuda_says_why(impl):
     why = ("the extension was built without CUDA" if not _ext.HAS_CUDA
            else "computations go to 'cpu', not 'gpu'")
@@ -316,7 +316,7 @@ def test_cuda_impl_without_cuda_says_why(impl):
 
 
 @GPU
-@pytest.mark.parametrize("impl", ["seed", "fast"])
+@pytest.mark.parametrize("impl", ["simple", "fast"])
 def test_cuda_impl_while_computations_go_to_cpu_says_why(impl):
     with jax.default_device(jax.devices("cpu")[0]):
         with pytest.raises(ValueError, match="computations go to 'cpu', not 'gpu'"):

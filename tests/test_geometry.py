@@ -1,4 +1,4 @@
-"""docs/semantics.md §4: launch geometry of the seed-design kernels."""
+"""docs/semantics.md §4: launch geometry of the simple kernels."""
 
 from __future__ import annotations
 

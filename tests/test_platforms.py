@@ -53,7 +53,7 @@ def _custom_calls(fn, args, platform: str) -> list[tuple[str, int]]:
                          ids=["gather", "grouped"])
 def test_auto_lowered_for_cpu_calls_the_cpu_handlers(path, target):
     fn, args = _fold_fn(path)
-    assert _custom_calls(fn, args, "cpu") == [(target, _ext.VARIANT_SEED)]
+    assert _custom_calls(fn, args, "cpu") == [(target, _ext.VARIANT_SIMPLE)]
 
 
 @pytest.mark.parametrize("path, target", [(4096, _ext.GATHER_BGMV_TARGET),
@@ -74,7 +74,7 @@ def test_auto_lowered_for_cpu_and_cuda_keeps_both_branches():
     fn, args = _fold_fn(4096)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cpu", "cuda")).as_text()
     variants = {int(v) for v in re.findall(r"variant = (\d+)", text)}
-    want = {_ext.VARIANT_SEED} | ({_ext.VARIANT_FAST} if _ext.HAS_CUDA else set())
+    want = {_ext.VARIANT_SIMPLE} | ({_ext.VARIANT_FAST} if _ext.HAS_CUDA else set())
     assert variants == want
 
 
@@ -98,7 +98,7 @@ def test_backends_lists_cuda_as_usable_only_with_a_gpu():
     assert info["cuda_kernels_usable"] == (_ext.HAS_CUDA and info["gpu_visible"])
     assert info["auto"] == resolve_impl("auto") == info["impls"][0]
     if not info["gpu_visible"]:
-        assert not {"fast", "seed"} & set(info["impls"])
+        assert not {"fast", "simple"} & set(info["impls"])
 
 
 def test_info_command_prints_the_backends():

@@ -52,7 +52,7 @@
 //
 // Shapes the kernels do not take (K % 8 != 0, unaligned pools, R < 8 or
 // R > 64, or a plan larger than the plan kernel's shared memory) go to the
-// seed kernels; fp32
+// simple kernels; fp32
 // goes to rows_f32.cu.
 
 #include "fast/fast_common.cuh"
@@ -589,7 +589,7 @@ cudaError_t launch_gather_fast(const GatherArgs& args, cudaStream_t stream) {
                                        (args.n_slots < 2 * cells && row_blocks <= kRowsL2Cap)))
     return fast::launch_gather_rows(args, stream);
   if (fast::gather_cells(args, stream, &err)) return err;
-  return launch_gather_seed(args, stream);
+  return launch_gather_simple(args, stream);
 }
 
 }  // namespace moelora

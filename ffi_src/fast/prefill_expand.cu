@@ -353,12 +353,12 @@ bool grouped_split_fits(const GroupedArgs& a) {
 }  // namespace fast
 
 // bf16/f16 folds that fit the split kernels run the shrink then the expand;
-// others take the seed kernels; f32 takes rows_f32.cu.
+// others take the simple kernels; f32 takes rows_f32.cu.
 cudaError_t launch_grouped_fast(const GroupedArgs& args, cudaStream_t stream) {
   using namespace fast;
   if (args.te <= 0 || args.N <= 0 || args.K <= 0 || args.R <= 0) return cudaSuccess;
   if (args.dtype == DType::kF32) return launch_grouped_f32(args, stream);
-  if (!grouped_split_fits(args)) return launch_grouped_seed(args, stream);
+  if (!grouped_split_fits(args)) return launch_grouped_simple(args, stream);
   const int64_t lo = std::max<int64_t>(0, args.row_offset);
   const int64_t hi = std::min<int64_t>(args.row_end, args.te);
   if (hi <= lo || std::min<int64_t>(args.route.n_experts, args.num_experts) <= 0)

@@ -98,7 +98,7 @@ class MoEBlock(nnx.Module):
       dtype: the activation dtype (and the expert LoRA pools').
       param_dtype: the base weights' dtype (default ``dtype``).
       router_dtype: the router's dtype (its weight, logits, LoRA pools).
-      impl: fold backend (``"auto"``, ``"fast"``, ``"seed"``, ``"cpu"``,
+      impl: fold backend (``"auto"``, ``"fast"``, ``"simple"``, ``"cpu"``,
         ``"jnp"``; every one is differentiable).
       expert_path: base expert matmuls: ``"ragged"`` (the grouped GEMM
         ``expert_gemm`` over rows sorted by expert), ``"dense"`` (every

@@ -31,7 +31,7 @@ or B block per row. Three formulations (``fold_rows_vjp``):
 
 - ``"grouped"``: rows sorted by (adapter, expert) cell, then grouped matmuls
   over the cells (``ops/grouped_vjp.py``). Where the fold runs on CUDA
-  (``impl`` ``"fast"``/``"seed"``, or ``"auto"`` lowered for CUDA) and the
+  (``impl`` ``"fast"``/``"simple"``, or ``"auto"`` lowered for CUDA) and the
   grouped-GEMM kernels take the operands (a Hopper GPU, bf16/f16, ``K``,
   ``N``, ``R`` multiples of 8), they are CUTLASS kernels
   (``ops/grouped_matmul.py``): a few launches for the whole backward, and
@@ -284,7 +284,7 @@ def fold_rows_vjp(x, route: MoeExpertRoute, g_rows, xi, cell, ok, mode: str | No
       mode: ``"dense"``, ``"tiled"``, ``"grouped"`` or ``None``: the
         formulation. ``None`` takes ``"grouped"`` where the fold runs on CUDA
         and the grouped-GEMM kernels take the operands (``impl`` ``"fast"``
-        or ``"seed"``, or ``"auto"`` lowered for CUDA), else
+        or ``"simple"``, or ``"auto"`` lowered for CUDA), else
         :func:`backward_mode`'s choice.
       impl: the fold's backend (``"auto"``: decided per lowering platform).
 
@@ -298,7 +298,7 @@ def fold_rows_vjp(x, route: MoeExpertRoute, g_rows, xi, cell, ok, mode: str | No
     if mode is not None:  # the kernels where computations go to a GPU that runs them
         return _vjp_in_mode(mode, *args, kernels=grouped and backend.gpu_now())
     fallback = backward_mode(m, route)
-    if impl in ("fast", "seed") and grouped:  # (the fold checked that it runs on a GPU)
+    if impl in ("fast", "simple") and grouped:  # (the fold checked that it runs on a GPU)
         return _vjp_in_mode("grouped", *args, kernels=True)
     if impl == "auto" and grouped:
         jnp_mode = functools.partial(_vjp_in_mode, fallback)

@@ -9,10 +9,12 @@ A backend choice has two parts, kept apart:
   default device. An explicit ``impl`` pins its kernels and is checked at
   trace time against the platform computations go to (:func:`check_impl`).
 - the **kernels** on that platform. For the folds, ``impl`` names the kernel
-  family: ``"fast"`` (the tuned CUDA kernels), ``"seed"`` (CUDA kernels with
-  the seed engine's launch geometry), ``"cpu"`` (the C++ handlers), ``"jnp"``
+  family: ``"fast"`` (the tuned CUDA kernels), ``"simple"`` (CUDA kernels
+  with the simple launch geometry of ``docs/semantics.md`` §4: a shrink into
+  ``xa``, then an expand-and-fold), ``"cpu"`` (the C++ handlers), ``"jnp"``
   (pure JAX, any platform). The other ops follow from the platform and their
-  operands (:data:`KERNELS`).
+  operands (:data:`KERNELS`). ``impl="seed"``, the old name of ``"simple"``,
+  is a deprecated alias (:data:`DEPRECATED_IMPLS`).
 
 ================================  ==========================  ===========================================  ==================
 op                                lowered for CPU             lowered for CUDA                             any other platform
@@ -31,6 +33,7 @@ its backward                      ``ragged_dot``'s VJP        grouped GEMMs wher
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -38,11 +41,14 @@ import jax.numpy as jnp
 
 from jax_moelora import _ext
 
-__all__ = ["IMPLS", "AUTO", "KERNELS", "FFI_VARIANT", "check_impl", "resolve_impl",
-           "per_platform", "cutlass_built", "cutlass_takes", "gpu_now", "backends"]
+__all__ = ["IMPLS", "DEPRECATED_IMPLS", "AUTO", "KERNELS", "FFI_VARIANT", "check_impl",
+           "resolve_impl", "per_platform", "cutlass_built", "cutlass_takes", "gpu_now", "backends"]
 
 #: The fold backends ``impl=`` names.
-IMPLS = ("auto", "fast", "seed", "cpu", "jnp")
+IMPLS = ("auto", "fast", "simple", "cpu", "jnp")
+#: Old fold backend names still accepted, each with the name it runs as:
+#: :func:`check_impl` warns (``DeprecationWarning``) and returns the new name.
+DEPRECATED_IMPLS = {"seed": "simple"}
 #: What ``impl="auto"`` runs, by the platform the computation is lowered for
 #: (``"jnp"`` on any other; CUDA only when the CUDA kernels were built).
 AUTO = {"cpu": "cpu", "cuda": "fast"}
@@ -61,7 +67,8 @@ KERNELS: dict[str, dict[str, str]] = {
 }
 #: The custom calls' ``variant`` attribute of each FFI backend (the C++
 #: handlers run one loop whatever its value).
-FFI_VARIANT = {"fast": _ext.VARIANT_FAST, "seed": _ext.VARIANT_SEED, "cpu": _ext.VARIANT_SEED}
+FFI_VARIANT = {"fast": _ext.VARIANT_FAST, "simple": _ext.VARIANT_SIMPLE,
+               "cpu": _ext.VARIANT_SIMPLE}
 
 
 def gpu_now() -> bool:
@@ -73,16 +80,24 @@ def gpu_now() -> bool:
 def check_impl(impl: str) -> str:
     """``impl`` checked at trace time: a known name, and an explicit backend
     that runs where computations go now. ``"auto"`` is returned as is (decided
-    at lowering by :func:`per_platform`).
+    at lowering by :func:`per_platform`). The one place a fold's ``impl`` is
+    validated: a deprecated name (:data:`DEPRECATED_IMPLS`, ``"seed"``) warns
+    and is checked and returned as its new name (``"simple"``).
 
     Raises:
-      ValueError: ``impl`` is not one of :data:`IMPLS`, or names a backend
-        that cannot run on the platform computations go to.
+      ValueError: ``impl`` is not one of :data:`IMPLS` (or
+        :data:`DEPRECATED_IMPLS`), or names a backend that cannot run on the
+        platform computations go to.
     """
+    if isinstance(impl, str) and impl in DEPRECATED_IMPLS:
+        new = DEPRECATED_IMPLS[impl]
+        warnings.warn(f"impl={impl!r} is deprecated; use impl={new!r} (the same kernels)",
+                      DeprecationWarning, stacklevel=3)
+        impl = new
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     backend = _ext.current_platform()
-    if impl in ("fast", "seed") and not gpu_now():
+    if impl in ("fast", "simple") and not gpu_now():
         why = ("the extension was built without CUDA (no nvcc at build time)" if not _ext.HAS_CUDA
                else f"computations go to {backend!r}, not 'gpu'")
         raise ValueError(f"impl={impl!r} needs the CUDA kernels on a GPU: {why}")

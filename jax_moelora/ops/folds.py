@@ -7,8 +7,10 @@ Each function validates shapes and dtypes at trace time (``ValueError`` /
   (``"fast"`` for CUDA when the CUDA kernels were built, ``"cpu"`` for the CPU,
   ``"jnp"`` elsewhere), chosen at lowering time, so one function lowered for
   the CPU and for CUDA gets each platform's kernels;
-- ``"fast"``: the tuned CUDA kernels; ``"seed"``: the CUDA kernels with the
-  seed's geometry; ``"cpu"``: the C++ FFI handlers; ``"jnp"``: pure JAX.
+- ``"fast"``: the tuned CUDA kernels; ``"simple"``: the CUDA kernels with the
+  simple geometry (a shrink into ``xa``, then an expand-and-fold,
+  docs/semantics.md §4); ``"cpu"``: the C++ FFI handlers; ``"jnp"``: pure JAX.
+  (``"seed"``, the old name of ``"simple"``, still runs it and warns.)
 
 Every backend folds in place (the result replaces ``base_out``; donate it to
 avoid a copy) and skips the same rows, bit-identically.
@@ -39,7 +41,7 @@ __all__ = ["moe_lora_gather_bgmv", "moe_lora_grouped_down", "moe_lora_fold", "re
            "IMPLS", "GATHER_MAX_ROWS", "GATHER_ROWS_PER_EXPERT", "gather_rows_limit", "RowPlan",
            "plan_rows", "fold_planned", "sort_rows_by_expert", "fold_token_projections"]
 
-Impl = Literal["auto", "fast", "seed", "cpu", "jnp"]
+Impl = Literal["auto", "fast", "simple", "cpu", "jnp"]
 
 # moe_lora_fold and expert_matmul use the gather fold up to
 # gather_rows_limit(num_experts) rows, else the grouped fold on rows sorted by

@@ -1,7 +1,7 @@
 """``python -m jax_moelora bench``: the benchmark of docs/semantics.md §7.
 
 For each case (model, projection, tokens, rank, adapters; see
-``bench_cases``) and method (``fast``, ``seed``, ``cpu``, ``jnp`` and the
+``bench_cases``) and method (``fast``, ``simple``, ``cpu``, ``jnp`` and the
 ``ragged_dot`` / ``einsum`` baselines; see ``bench_methods``) it
 
 1. times it: one jitted program folds ``--reps`` times back to back (the
@@ -148,7 +148,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", type=_names, default=None,
                         help=f"of {', '.join(bm.ALL_METHODS)}, each also with {bm.COLD} (the "
                              "route rotated through copies larger than the L2); default: fast, "
-                             "seed and the baselines on a GPU; cpu, jnp and the baselines on "
+                             "simple and the baselines on a GPU; cpu, jnp and the baselines on "
                              "the CPU")
     parser.add_argument("--reps", type=int, default=None,
                         help=f"folds per timed program (default {PROTOCOL_REPS})")

@@ -1,7 +1,7 @@
 """The folds the benchmark times (docs/semantics.md §7), the timing protocol, the copy
 bandwidth and the correctness check.
 
-Methods: the library backends ``fast``, ``seed``, ``cpu`` and ``jnp``
+Methods: the library backends ``fast``, ``simple``, ``cpu`` and ``jnp``
 (``moe_lora_gather_bgmv`` for decode cases, ``moe_lora_grouped_down`` for
 prefill ones), and two pure-JAX baselines:
 
@@ -51,8 +51,8 @@ __all__ = ["LIBRARY_METHODS", "CUSTOM_CALL_METHODS", "BASELINES", "ALL_METHODS",
            "compare", "check_fold", "reference",
            "TOLERANCE", "ragged_dense_bytes", "skip_reason", "use_pallas_ragged_dot"]
 
-LIBRARY_METHODS = ("fast", "seed", "cpu", "jnp")
-CUSTOM_CALL_METHODS = ("fast", "seed", "cpu")
+LIBRARY_METHODS = ("fast", "simple", "cpu", "jnp")
+CUSTOM_CALL_METHODS = ("fast", "simple", "cpu")
 BASELINES = ("ragged_dot", "einsum")
 ALL_METHODS = LIBRARY_METHODS + BASELINES
 
@@ -80,10 +80,10 @@ Fold = Callable[[jax.Array, dict[str, Any]], jax.Array]
 
 
 def default_methods() -> tuple[str, ...]:
-    """``fast``, ``seed`` and the baselines on a GPU with the CUDA kernels;
+    """``fast``, ``simple`` and the baselines on a GPU with the CUDA kernels;
     ``cpu``, ``jnp`` and the baselines on the CPU; else ``jnp`` and the baselines."""
     if _ext.cuda_available():
-        return ("fast", "seed") + BASELINES
+        return ("fast", "simple") + BASELINES
     if _ext.current_platform() == "cpu":
         return ("cpu", "jnp") + BASELINES
     return ("jnp",) + BASELINES

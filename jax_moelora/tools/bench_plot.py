@@ -16,7 +16,7 @@ with needs_extra("bench", "jax_moelora.tools.bench_plot"):
 
 __all__ = ["plot_rows"]
 
-_COLORS = {"fast": "tab:green", "seed": "tab:orange", "cpu": "tab:purple", "jnp": "tab:gray",
+_COLORS = {"fast": "tab:green", "simple": "tab:orange", "cpu": "tab:purple", "jnp": "tab:gray",
            "ragged_dot": "tab:red", "einsum": "tab:blue"}
 _STYLES = ["-", "--", ":", "-."]
 _MARKERS = ["o", "s", "^", "D"]
