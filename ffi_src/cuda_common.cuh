@@ -152,7 +152,7 @@ struct GroupedArgs {
   DType dtype;
   const void* x;            // [x_gather ? num_x_rows : te, K]
   void* out;                // [m, N], already holds base_out
-  void* xa;                 // [te, R] scratch, by sorted row
+  void* xa;                 // [te, xa_ld] scratch, by sorted row
   const int32_t* expert_offsets;    // [num_experts + 1]
   const int32_t* sorted_token_ids;  // [te]
   const int32_t* row_adapter;       // [num_ra] when has_row_adapter
@@ -166,6 +166,11 @@ struct GroupedArgs {
   const int32_t* out_rows;  // [te], or nullptr (out row r for sorted row r)
   int64_t m;                // rows of out (te when out_rows is nullptr)
   bool pdl;  // the expand may use programmatic dependent launch after the shrink
+  // xa's row stride (0: R) and whether a row's shrink lands in the R columns
+  // of its table row (column l * R, the LoRA inside expert_matmul's GEMM)
+  // rather than in columns [0, R).
+  int64_t xa_ld = 0;
+  bool xa_by_adapter = false;
 };
 
 // The simple kernels (moe_lora_gather_bgmv.cu, moe_lora_grouped_down.cu):

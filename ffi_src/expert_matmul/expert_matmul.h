@@ -9,16 +9,24 @@
 //             an absent route is any arrays of the right dtypes (not read).
 //   results:  out [num_weights, M, N] (weight set i's output is plane i: gate
 //             and up land stacked, the layout the stacked fold reads),
-//             scratch u8 [expert_matmul_scratch_bytes(num_weights * E, sm_count)],
-//             xa [M, R] (the fold's scratch; R the larger route rank, or 1).
+//             scratch u8 [expert_matmul_scratch_bytes(num_weights * E, sm_count)]
+//             (with lora_in_gemm, then per route with LoRA its packed B,
+//             [min(n_experts, E), L * R, N], each from a multiple of
+//             kExpertMatmulScratchAlign),
+//             xa [M, R] (the fold's scratch; R the larger route rank, or 1), or
+//             with lora_in_gemm [num_weights, M, X], X >= every route's L * R.
 //   attrs:    num_weights (1 or 2), has_lora0, has_lora1, has_row_adapter, sm_count,
 //             pdl (the fold's expand may use programmatic dependent launch),
-//             schedule (ExpertMatmulSchedule: the CUTLASS kernel schedule).
+//             schedule (ExpertMatmulSchedule: the CUTLASS kernel schedule),
+//             lora_in_gemm (1: the fold inside the GEMM's K loop, lora_ext.cu
+//             and lora_k_mainloop.cuh; 0: the grouped fold after the GEMM).
 //   offsets:  offsets[0] = 0, non-decreasing, offsets[E] <= M (traced jnp builds
 //             them from group_sizes). Row r in [offsets[e], offsets[e+1]) is
 //             round(x[r] @ w[e]); rows r >= offsets[E] are zero. Then each
 //             weight set with a route is folded by the grouped fold with
-//             x_gather = 0 (row r reads x[r], its token sorted_token_ids[r]).
+//             x_gather = 0 (row r reads x[r], its token sorted_token_ids[r]);
+//             with lora_in_gemm an adapted row is instead
+//             round(x[r] @ w[e] + round(x[r] A^T) @ round(scale B^T)).
 // x, w, pools and outputs share one dtype: bf16 or f16; K and N are multiples
 // of kExpertMatmulAlign.
 #pragma once
@@ -38,9 +46,16 @@ struct ExpertGemmArgs {
   void* out[kExpertMatmulMaxWeights];           // [M, N] each
   const int32_t* offsets;                       // [E + 1]
   int64_t num_weights, E, M, K, N;
-  void* scratch;                                // expert_gemm_scratch_bytes<D>(...) bytes
+  void* scratch;                                // the kernel's scratch_bytes(...) bytes
   int64_t scratch_bytes;
   int sm_count;
+  // The LoRA delta inside the K loop (the *Lora kernels), per weight set;
+  // xa_ext[i] == nullptr: weight set i has none. Row r of weight set i is
+  // round(x[r] @ w[e] + xa_ext[i][r] @ b_ext[i][e]) for e < ext_experts[i].
+  const void* xa_ext[kExpertMatmulMaxWeights];  // [M, ext_k]
+  const void* b_ext[kExpertMatmulMaxWeights];   // [ext_experts, ext_k, N]
+  int64_t ext_k[kExpertMatmulMaxWeights];       // a multiple of kExpertMatmulAlign
+  int64_t ext_experts[kExpertMatmulMaxWeights];
 };
 
 // A kernel table entry of the library's CUTLASS grouped GEMMs (one per dtype
@@ -57,9 +72,20 @@ struct GemmKernel {
 };
 
 // expert_matmul's kernels, per dtype and schedule (expert_matmul_<dtype>_<schedule>.cu;
-// the rows past offsets[E] are the ones zeroed).
+// the rows past offsets[E] are the ones zeroed), and the same with the LoRA
+// delta in the K loop (expert_matmul_<dtype>_<schedule>_lora.cu; they read
+// the xa_ext/b_ext fields, the others ignore them).
 using ExpertGemmKernel = GemmKernel<ExpertGemmArgs>;
 extern const ExpertGemmKernel kExpertGemmBf16Cooperative, kExpertGemmBf16Pingpong,
     kExpertGemmF16Cooperative, kExpertGemmF16Pingpong;
+extern const ExpertGemmKernel kExpertGemmBf16CooperativeLora, kExpertGemmBf16PingpongLora,
+    kExpertGemmF16CooperativeLora, kExpertGemmF16PingpongLora;
+
+// The *Lora kernels' second operand pair for one weight set and its route
+// (lora_ext.cu): zeroes fold.xa (xa_ext [te, L * R]; fold.xa_ld = L * R and
+// fold.xa_by_adapter), packs b_ext [min(n_experts, num_experts), L * R, N]
+// and runs the fast grouped fold's shrink into xa_ext. The caller checks
+// fast::grouped_split_fits(fold).
+cudaError_t prepare_lora_ext(const GroupedArgs& fold, void* b_ext, cudaStream_t stream);
 
 }  // namespace moelora

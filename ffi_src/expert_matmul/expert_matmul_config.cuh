@@ -34,6 +34,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "lora_k_mainloop.cuh"
 
 namespace moelora::expert_gemm {
 
@@ -72,6 +73,7 @@ struct GemmConfig {
   using LayoutB = LayoutB_;
   using LayoutD = RowMajor;
   static constexpr bool kHasC = !std::is_void_v<ElementC>;
+  static constexpr bool kLoraK = false;  // LoraConfig: a second operand pair in the K loop
   static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;     // 16 bytes
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
   static constexpr int kAlignC =
@@ -109,5 +111,17 @@ struct GemmConfig {
 // expert_matmul's forward GEMM: x @ w[e], no C operand.
 template <class Element, class Schedule>
 using Config = GemmConfig<Element, RowMajor, RowMajor, void, Element, Schedule>;
+
+// expert_matmul's forward GEMM with the LoRA delta in its K loop
+// (lora_k_mainloop.cuh): round(x @ w[e] + xa_ext @ b_ext[e]), one store.
+template <class Element, class Schedule>
+struct LoraConfig : Config<Element, Schedule> {
+  using Forward = Config<Element, Schedule>;
+  static constexpr bool kLoraK = true;
+  using CollectiveMainloop = LoraKMainloop<typename Forward::CollectiveMainloop>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
+                                                      typename Forward::CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
 
 }  // namespace moelora::expert_gemm

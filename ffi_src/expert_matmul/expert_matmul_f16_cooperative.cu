@@ -1,4 +1,4 @@
 // expert_matmul's CUTLASS grouped GEMM for f16, cooperative schedule (see expert_matmul_config.cuh).
 #include "expert_matmul_impl.cuh"
 
-MOELORA_EXPERT_GEMM_INSTANTIATE(moelora::DType::kF16, Cooperative, kExpertGemmF16Cooperative)
+MOELORA_EXPERT_GEMM_INSTANTIATE(Config, moelora::DType::kF16, Cooperative, kExpertGemmF16Cooperative)

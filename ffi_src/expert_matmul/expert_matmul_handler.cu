@@ -1,13 +1,15 @@
 // The CUDA FFI handler of expert_matmul (operands in expert_matmul.h): the
-// CUTLASS grouped GEMM of every weight set, then, for each weight set with a
-// route, the fast grouped fold over its output in the same handler. The fold
-// is a second pass (it reads and writes the GEMM output once more); the GEMM
-// epilogue does not compute the delta.
+// CUTLASS grouped GEMM of every weight set and, for each weight set with a
+// route, the fast grouped fold, in one of two places (the lora_in_gemm
+// attribute): after the GEMM, a second pass over its output; or inside the
+// GEMM's K loop (lora_k_mainloop.cuh), after a shrink and a pack of B
+// (lora_ext.cu), the output written once.
 #include <algorithm>
 #include <initializer_list>
 #include <string>
 
 #include "expert_matmul.h"
+#include "fast/fast_common.cuh"
 #include "fold_ffi.h"
 #include "moelora_handlers.h"
 
@@ -20,17 +22,29 @@ ffi::Error invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("expert_matmul: " + what);
 }
 
-// The CUTLASS kernel of a dtype and schedule; nullptr for an unknown schedule.
-const ExpertGemmKernel* gemm_kernel(DType dtype, int64_t schedule) {
+// The CUTLASS kernel of a dtype and schedule, with the LoRA in its K loop or
+// not; nullptr for an unknown schedule.
+const ExpertGemmKernel* gemm_kernel(DType dtype, int64_t schedule, bool lora) {
   const bool bf16 = dtype == DType::kBf16;
   switch (schedule) {
     case kExpertMatmulCooperative:
+      if (lora) return bf16 ? &kExpertGemmBf16CooperativeLora : &kExpertGemmF16CooperativeLora;
       return bf16 ? &kExpertGemmBf16Cooperative : &kExpertGemmF16Cooperative;
     case kExpertMatmulPingpong:
+      if (lora) return bf16 ? &kExpertGemmBf16PingpongLora : &kExpertGemmF16PingpongLora;
       return bf16 ? &kExpertGemmBf16Pingpong : &kExpertGemmF16Pingpong;
     default:
       return nullptr;
   }
+}
+
+constexpr const ExpertGemmKernel* kAllKernels[] = {
+    &kExpertGemmBf16Cooperative,     &kExpertGemmBf16Pingpong,     &kExpertGemmF16Cooperative,
+    &kExpertGemmF16Pingpong,         &kExpertGemmBf16CooperativeLora, &kExpertGemmBf16PingpongLora,
+    &kExpertGemmF16CooperativeLora,  &kExpertGemmF16PingpongLora};
+
+int64_t align_scratch(int64_t v) {
+  return (v + kExpertMatmulScratchAlign - 1) / kExpertMatmulScratchAlign * kExpertMatmulScratchAlign;
 }
 
 struct RouteBuffers {
@@ -47,7 +61,8 @@ ffi::Error ExpertMatmulCudaImpl(
     ffi::Buffer<ffi::S32> bt1, ffi::Buffer<ffi::F32> st1, ffi::Result<ffi::AnyBuffer> out,
     ffi::Result<ffi::AnyBuffer> scratch,
     ffi::Result<ffi::AnyBuffer> xa, int64_t num_weights, int64_t has_lora0, int64_t has_lora1,
-    int64_t has_row_adapter, int64_t sm_count, int64_t pdl, int64_t schedule) {
+    int64_t has_row_adapter, int64_t sm_count, int64_t pdl, int64_t schedule,
+    int64_t lora_in_gemm) {
   const auto xd = x.dimensions(), wd = w0.dimensions();
   if (xd.size() != 2 || wd.size() != 3) return invalid("x must be [M, K] and w [E, K, N]");
   const int64_t M = xd[0], K = xd[1], E = wd[0], N = wd[2];
@@ -75,17 +90,21 @@ ffi::Error ExpertMatmulCudaImpl(
   void* outs[kExpertMatmulMaxWeights] = {};
   for (int64_t i = 0; i < num_weights; ++i) outs[i] = out_base + i * M * N * 2;  // 2-byte elements
   const DType dtype = dt == ffi::DataType::BF16 ? DType::kBf16 : DType::kF16;
-  const ExpertGemmKernel* kernel = gemm_kernel(dtype, schedule);
+  const bool in_gemm = lora_in_gemm != 0;
+  const ExpertGemmKernel* kernel = gemm_kernel(dtype, schedule, in_gemm);
   if (kernel == nullptr) return invalid("schedule");
   const int64_t groups = num_weights * E;
-  const int64_t need = kernel->scratch_bytes(groups, int(sm_count));
-  if (int64_t(scratch->size_bytes()) < need) return invalid("scratch buffer too small");
+  // The GEMM's scratch (sized for every kernel), then the packed B of each
+  // weight set folded inside the GEMM.
+  int64_t need = expert_matmul_scratch_bytes(groups, sm_count);
 
   // Routes are checked before anything is launched.
   RouteBuffers rb[] = {{a0, b0, at0, bt0, st0}, {a1, b1, at1, bt1, st1}};
   const bool has_lora[] = {has_lora0 != 0, has_lora1 != 0};
   RouteView routes[kExpertMatmulMaxWeights];
   Dims dims[kExpertMatmulMaxWeights];
+  int64_t b_ext_at[kExpertMatmulMaxWeights] = {};
+  const auto xad = xa->dimensions();
   for (int64_t i = 0; i < num_weights; ++i) {
     if (!has_lora[i]) continue;
     if (auto e = check_route_for(x, N, dt, rb[i].a_pool, rb[i].b_pool, rb[i].a_table,
@@ -93,43 +112,51 @@ ffi::Error ExpertMatmulCudaImpl(
         e.failure())
       return e;
     if (routes[i].n_experts > E) return invalid("a route has more experts than w");
-    const auto xad = xa->dimensions();
-    if (xad.size() != 2 || xad[0] != M || xad[1] < dims[i].R) return invalid("xa scratch shape");
+    if (!in_gemm) {
+      if (xad.size() != 2 || xad[0] != M || xad[1] < dims[i].R) return invalid("xa scratch shape");
+      continue;
+    }
+    const int64_t ext_k = routes[i].num_loras * dims[i].R;
+    if (xad.size() != 3 || xad[0] != num_weights || xad[1] != M || xad[2] < ext_k)
+      return invalid("xa scratch shape: [num_weights, M, >= L * R] with lora_in_gemm");
+    b_ext_at[i] = need;
+    need += align_scratch(std::min(routes[i].n_experts, E) * ext_k * N * 2);
   }
+  if (int64_t(scratch->size_bytes()) < need) return invalid("scratch buffer too small");
 
+  // The grouped fold of weight set i over its GEMM output, its shrink into xa.
+  auto fold_args = [&](int64_t i, void* xa_rows) {
+    return GroupedArgs{dtype, x.untyped_data(), outs[i], xa_rows, offsets.typed_data(),
+                       sorted_token_ids.typed_data(), row_adapter.typed_data(),
+                       has_row_adapter != 0,
+                       has_row_adapter ? int64_t(row_adapter.element_count()) : 0,
+                       rb[i].a_pool.untyped_data(), rb[i].b_pool.untyped_data(), routes[i], E, M,
+                       K, N, dims[i].R, 0, M, false, nullptr, M, pdl != 0};
+  };
   ExpertGemmArgs g{x.untyped_data(),
                    {w0.untyped_data(), num_weights > 1 ? w1.untyped_data() : nullptr},
                    {outs[0], outs[1]},
                    offsets.typed_data(), num_weights, E, M, K, N, scratch->untyped_data(),
                    int64_t(scratch->size_bytes()), int(sm_count)};
-  cudaError_t err = kernel->run(g, stream);
-  for (int64_t i = 0; i < num_weights && err == cudaSuccess; ++i) {
+  cudaError_t err = cudaSuccess;
+  for (int64_t i = 0; i < num_weights && in_gemm && err == cudaSuccess; ++i) {
     if (!has_lora[i]) continue;
-    GroupedArgs f{dtype,
-                  x.untyped_data(),
-                  outs[i],
-                  xa->untyped_data(),
-                  offsets.typed_data(),
-                  sorted_token_ids.typed_data(),
-                  row_adapter.typed_data(),
-                  has_row_adapter != 0,
-                  has_row_adapter ? int64_t(row_adapter.element_count()) : 0,
-                  rb[i].a_pool.untyped_data(),
-                  rb[i].b_pool.untyped_data(),
-                  routes[i],
-                  E,
-                  M,
-                  K,
-                  N,
-                  dims[i].R,
-                  0,
-                  M,
-                  false,
-                  nullptr,
-                  M,
-                  pdl != 0};
-    err = launch_grouped_fast(f, stream);
+    const int64_t ext_k = routes[i].num_loras * dims[i].R;
+    char* xa_plane = static_cast<char*>(xa->untyped_data()) + i * M * xad[2] * 2;
+    GroupedArgs f = fold_args(i, xa_plane);
+    f.xa_ld = ext_k;
+    f.xa_by_adapter = true;
+    if (!fast::grouped_split_fits(f)) return invalid("lora_in_gemm: the route's shapes do not fit");
+    void* b_ext = static_cast<char*>(scratch->untyped_data()) + b_ext_at[i];
+    err = prepare_lora_ext(f, b_ext, stream);
+    g.xa_ext[i] = xa_plane;
+    g.b_ext[i] = b_ext;
+    g.ext_k[i] = ext_k;
+    g.ext_experts[i] = std::min(routes[i].n_experts, E);
   }
+  if (err == cudaSuccess) err = kernel->run(g, stream);
+  for (int64_t i = 0; i < num_weights && !in_gemm && err == cudaSuccess; ++i)
+    if (has_lora[i]) err = launch_grouped_fast(fold_args(i, xa->untyped_data()), stream);
   if (err != cudaSuccess) return ffi::Error::Internal(std::string("expert_matmul: ") +
                                                       cudaGetErrorString(err));
   return ffi::Error::Success();
@@ -146,8 +173,7 @@ int64_t cuda_sm_count(int64_t device) {
 
 int64_t expert_matmul_scratch_bytes(int64_t num_groups, int64_t sm_count) {
   int64_t bytes = 0;
-  for (const ExpertGemmKernel* k : {&kExpertGemmBf16Cooperative, &kExpertGemmBf16Pingpong,
-                                    &kExpertGemmF16Cooperative, &kExpertGemmF16Pingpong})
+  for (const ExpertGemmKernel* k : kAllKernels)
     bytes = std::max(bytes, k->scratch_bytes(num_groups, int(sm_count)));
   return bytes;
 }
@@ -175,12 +201,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertMatmulCuda, moelora::ExpertMatmulCudaImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()       //          scale_table
                                   .Ret<ffi::AnyBuffer>()              // out [num_weights, M, N]
                                   .Ret<ffi::AnyBuffer>()              // scratch u8
-                                  .Ret<ffi::AnyBuffer>()              // xa [M, R]
+                                  .Ret<ffi::AnyBuffer>()              // xa [M, R] or [num_weights, M, L * R]
                                   .Attr<int64_t>("num_weights")
                                   .Attr<int64_t>("has_lora0")
                                   .Attr<int64_t>("has_lora1")
                                   .Attr<int64_t>("has_row_adapter")
                                   .Attr<int64_t>("sm_count")
                                   .Attr<int64_t>("pdl")
-                                  .Attr<int64_t>("schedule"),
+                                  .Attr<int64_t>("schedule")
+                                  .Attr<int64_t>("lora_in_gemm"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -11,7 +11,9 @@
 namespace moelora::expert_gemm {
 
 // Block 0 writes one problem per (weight set, expert): rows
-// [offsets[e], offsets[e + 1]) of x and of that weight set's output, w[e].
+// [offsets[e], offsets[e + 1]) of x and of that weight set's output, w[e]
+// (with a kLoraK config, and where the weight set has an extension for e:
+// the same rows of xa_ext and b_ext[e], K split as lora_k_mainloop.cuh says).
 // The other blocks zero the output rows past offsets[E] (16-byte stores;
 // N is a multiple of 8 elements).
 template <class C>
@@ -30,6 +32,17 @@ __global__ void __launch_bounds__(256) setup_problems(Problems<C> p, ExpertGemmA
       p.stride_a[g] = cutlass::make_cute_packed_stride(typename C::StrideA{}, {m, int(K), 1});
       p.stride_b[g] = cutlass::make_cute_packed_stride(typename C::StrideB{}, {int(N), int(K), 1});
       p.stride_d[g] = cutlass::make_cute_packed_stride(typename C::StrideD{}, {m, int(N), 1});
+      if constexpr (C::kLoraK) {
+        const bool ext = a.xa_ext[wi] != nullptr && e < a.ext_experts[wi];
+        const int kx = ext ? int(a.ext_k[wi]) : 0;
+        constexpr int kBlkK = cute::size<2>(TileShape{});
+        p.split_k[g] = SplitK{int(K), kx};
+        if (ext) p.shapes[g] = typename C::Shape{m, int(N), int((K + kBlkK - 1) / kBlkK * kBlkK + kx)};
+        p.ptr_a2[g] = ext ? static_cast<const T*>(a.xa_ext[wi]) + lo * kx : nullptr;
+        p.ptr_b2[g] = ext ? static_cast<const T*>(a.b_ext[wi]) + e * kx * N : nullptr;
+        p.stride_a2[g] = cutlass::make_cute_packed_stride(typename C::StrideA{}, {m, kx, 1});
+        p.stride_b2[g] = cutlass::make_cute_packed_stride(typename C::StrideB{}, {int(N), kx, 1});
+      }
     }
     return;
   }
@@ -45,14 +58,13 @@ __global__ void __launch_bounds__(256) setup_problems(Problems<C> p, ExpertGemmA
   }
 }
 
-template <DType D, class S>
+template <class C>
 int64_t scratch_bytes(int64_t groups, int sm_count) {
-  return scratch_layout<Config<typename ElementOf<D>::type, S>>(groups, sm_count).total;
+  return scratch_layout<C>(groups, sm_count).total;
 }
 
-template <DType D, class S>
+template <class C>
 cudaError_t run(const ExpertGemmArgs& a, cudaStream_t stream) {
-  using C = Config<typename ElementOf<D>::type, S>;
   const int64_t groups = a.num_weights * a.E;
   if (a.sm_count <= 0) return cudaErrorInvalidValue;
   const ScratchLayout l = scratch_layout<C>(groups, a.sm_count);
@@ -76,9 +88,11 @@ cudaError_t run(const ExpertGemmArgs& a, cudaStream_t stream) {
 
 }  // namespace moelora::expert_gemm
 
-// The kernel table entry `name` of expert_matmul.h for dtype D and schedule S.
-#define MOELORA_EXPERT_GEMM_INSTANTIATE(D, S, name)                                        \
+// The kernel table entry `name` of expert_matmul.h: config template Cfg
+// (Config or LoraConfig) for dtype D and schedule S.
+#define MOELORA_EXPERT_GEMM_INSTANTIATE(Cfg, D, S, name)                                    \
   namespace moelora {                                                                     \
-  const ExpertGemmKernel name{&expert_gemm::scratch_bytes<D, expert_gemm::S>,              \
-                              &expert_gemm::run<D, expert_gemm::S>};                       \
+  using name##_config = expert_gemm::Cfg<expert_gemm::ElementOf<D>::type, expert_gemm::S>; \
+  const ExpertGemmKernel name{&expert_gemm::scratch_bytes<name##_config>,                  \
+                              &expert_gemm::run<name##_config>};                           \
   }

@@ -24,10 +24,11 @@ inline int64_t align_up(int64_t v) {
 }
 
 // Byte offsets of the arrays carved out of the scratch buffer (ptr_c,
-// stride_c and the per-group alphas are empty for a config without C).
+// stride_c and the per-group alphas are empty for a config without C; the
+// second operand pair's arrays for a config without it, kLoraK).
 struct ScratchLayout {
   int64_t shapes, ptr_a, ptr_b, ptr_c, ptr_d, stride_a, stride_b, stride_c, stride_d, ptr_alpha,
-      one, workspace, total;
+      one, ptr_a2, ptr_b2, stride_a2, stride_b2, split_k, workspace, total;
 };
 
 // The device arrays of one launch (typed views into the scratch buffer).
@@ -47,7 +48,24 @@ struct Problems {
   typename C::StrideD* stride_d;
   const float** ptr_alpha;  // per-group alpha (D = alpha * acc + beta * C), or nullptr: 1
   float* one;               // a 1.0f for groups without an alpha
+  // The second operand pair of a kLoraK config (lora_k_mainloop.cuh), else nullptr.
+  const T** ptr_a2;
+  const T** ptr_b2;
+  typename C::StrideA* stride_a2;
+  typename C::StrideB* stride_b2;
+  SplitK* split_k;
 };
+
+// The mainloop's arguments: the operand pointers and strides (and the
+// second pair's of a kLoraK config).
+template <class C>
+typename C::Gemm::GemmKernel::MainloopArguments mainloop_arguments(const Problems<C>& p) {
+  if constexpr (C::kLoraK)
+    return {p.ptr_a, p.stride_a, p.ptr_b, p.stride_b, p.ptr_a2, p.stride_a2, p.ptr_b2,
+            p.stride_b2, p.split_k};
+  else
+    return {p.ptr_a, p.stride_a, p.ptr_b, p.stride_b};
+}
 
 template <class C>
 typename C::Gemm::Arguments gemm_arguments(const Problems<C>& p, int64_t groups, int sm_count,
@@ -59,7 +77,7 @@ typename C::Gemm::Arguments gemm_arguments(const Problems<C>& p, int64_t groups,
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {int(groups), p.shapes, nullptr},  // device shapes only: no host copy
-      {p.ptr_a, p.stride_a, p.ptr_b, p.stride_b},
+      mainloop_arguments<C>(p),
       {{}, p.ptr_c, p.stride_c, p.ptr_d, p.stride_d},
       hw};
   args.epilogue.thread.alpha = 1.0f;
@@ -91,6 +109,12 @@ ScratchLayout scratch_layout(int64_t groups, int sm_count) {
   l.stride_d = take(groups * int64_t(sizeof(typename C::StrideD)));
   l.ptr_alpha = take(c_groups * int64_t(sizeof(float*)));
   l.one = take(C::kHasC ? int64_t(sizeof(float)) : 0);
+  const int64_t k_groups = C::kLoraK ? groups : 0;
+  l.ptr_a2 = take(k_groups * int64_t(sizeof(void*)));
+  l.ptr_b2 = take(k_groups * int64_t(sizeof(void*)));
+  l.stride_a2 = take(k_groups * int64_t(sizeof(typename C::StrideA)));
+  l.stride_b2 = take(k_groups * int64_t(sizeof(typename C::StrideB)));
+  l.split_k = take(k_groups * int64_t(sizeof(SplitK)));
   l.workspace = take(workspace_bytes<C>(groups, sm_count));
   l.total = at;
   return l;
@@ -110,7 +134,12 @@ Problems<C> problems_in(void* scratch, const ScratchLayout& l) {
            C::kHasC ? reinterpret_cast<typename C::StrideC*>(base + l.stride_c) : nullptr,
            reinterpret_cast<typename C::StrideD*>(base + l.stride_d),
            C::kHasC ? reinterpret_cast<const float**>(base + l.ptr_alpha) : nullptr,
-           C::kHasC ? reinterpret_cast<float*>(base + l.one) : nullptr};
+           C::kHasC ? reinterpret_cast<float*>(base + l.one) : nullptr,
+           C::kLoraK ? reinterpret_cast<const typename P::T**>(base + l.ptr_a2) : nullptr,
+           C::kLoraK ? reinterpret_cast<const typename P::T**>(base + l.ptr_b2) : nullptr,
+           C::kLoraK ? reinterpret_cast<typename C::StrideA*>(base + l.stride_a2) : nullptr,
+           C::kLoraK ? reinterpret_cast<typename C::StrideB*>(base + l.stride_b2) : nullptr,
+           C::kLoraK ? reinterpret_cast<SplitK*>(base + l.split_k) : nullptr};
 }
 
 // Runs the grouped GEMM whose `groups` problems `p` holds (written earlier on

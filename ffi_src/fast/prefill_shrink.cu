@@ -1,5 +1,7 @@
 // Prefill fold, first launch: the shrink xa = round(x . A) of every row of
-// the window that folds, written to the handler's xa scratch [te, R].
+// the window that folds, written to the handler's xa scratch [te, R] (or, for
+// the LoRA inside expert_matmul's GEMM, to the R columns of the row's table
+// row in rows xa_ld wide: GroupedArgs::xa_by_adapter).
 // prefill_expand.cu then folds round(xa . B) into base_out.
 //
 // A "batch" is up to MR = 8 * NRG rows of one tile that fold with one pair
@@ -178,15 +180,16 @@ __device__ void cell_shrink(char* smem, const CellLayout& lay, int nrows, const 
   }
 }
 
-// Store the batch's xa rows (shared memory) to the scratch rows orow[q].
+// Store the batch's xa rows (shared memory) to the scratch rows orow[q], row
+// stride ld, from column col.
 __device__ __forceinline__ void store_xa(const char* smem, const CellLayout& lay, int nrows,
-                                         uint16_t* xa_out, int R) {
+                                         uint16_t* xa_out, int R, int64_t ld, int64_t col) {
   const uint16_t* xa = reinterpret_cast<const uint16_t*>(smem + lay.off_xa);
   const int* s_orow = reinterpret_cast<const int*>(smem + lay.off_orow);
   const int vecs = R / 8;  // R % 8 == 0: 16-byte pieces per row
   for (int i = threadIdx.x; i < nrows * vecs; i += blockDim.x) {
     const int q = i / vecs, v = i - q * vecs;
-    *reinterpret_cast<uint4*>(xa_out + int64_t(s_orow[q]) * R + 8 * v) =
+    *reinterpret_cast<uint4*>(xa_out + int64_t(s_orow[q]) * ld + col + 8 * v) =
         *reinterpret_cast<const uint4*>(xa + q * lay.xs + 8 * v);
   }
 }
@@ -302,7 +305,8 @@ __global__ void __launch_bounds__(kCellThreads, 2) grouped_shrink_kernel(const G
       __syncthreads();
       const uint16_t* A = static_cast<const uint16_t*>(a.a_pool) + int64_t(pair.a) * R * a.K;
       cell_shrink<D, NRG>(smem, lay, nrows, x, A, a.K, R);
-      store_xa(smem, lay, nrows, xa_out, R);
+      store_xa(smem, lay, nrows, xa_out, R, a.xa_ld > 0 ? a.xa_ld : R,
+               a.xa_by_adapter ? int64_t(cur) * R : 0);
       __syncthreads();  // s_xrow, s_orow and xa are rewritten by the next pass
     }
     __syncthreads();  // s_l and s_tok are rewritten by the next tile

@@ -1,0 +1,5 @@
+// expert_matmul's CUTLASS grouped GEMM for f16, pingpong schedule, with the LoRA
+// delta in its K loop (see expert_matmul_config.cuh, lora_k_mainloop.cuh).
+#include "expert_matmul_impl.cuh"
+
+MOELORA_EXPERT_GEMM_INSTANTIATE(LoraConfig, moelora::DType::kF16, Pingpong, kExpertGemmF16PingpongLora)
