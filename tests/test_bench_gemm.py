@@ -44,6 +44,20 @@ def test_bench_gemm_tiny_run(tmp_path):
     assert "| tiny | gate_up | 8 | gemm |" in (tmp_path / "gemm.md").read_text()
 
 
+def test_bench_gemm_places_of_the_fold(tmp_path):
+    """``gemm_lora_in`` and ``gemm_lora_after`` (the fold inside the GEMM or
+    after it) run only when named, fold like ``gemm_lora`` and are checked
+    against its reference (off the GPU both run the same fold)."""
+    rc = main(["bench", "--gemm", "--models", TINY, "--projs", "down", "--tokens", "8",
+               "--reps", "2", "--runs", "1", "--warmup", "1",
+               "--methods", "gemm_lora_in,gemm_lora_after", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "gemm.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["gemm_lora_in", "gemm_lora_after"]
+    for r in rows:
+        assert r["error"] is None and r["check"] == "ok" and r["adapters"] > 0, r
+
+
 def test_bench_gemm_times_but_does_not_check_past_the_reference_limit(tmp_path, monkeypatch):
     # --ragged-max-gib 0: ragged_dot is skipped; a reference limit of 0: so is
     # the check (its jnp reference lowers through ragged_dot); the GEMM rows are
@@ -88,7 +102,9 @@ def test_methods_name_a_schedule():
     assert bg.parse_method("gemm") == ("gemm", "auto")
     assert bg.parse_method("gemm_lora@pingpong") == ("gemm_lora", "pingpong")
     assert bg.parse_method("gemm@cooperative") == ("gemm", "cooperative")
-    for bad in ("ragged_dot@pingpong", "gemm@warp", "einsum"):
+    assert bg.parse_method("gemm_lora_in@pingpong") == ("gemm_lora_in", "pingpong")
+    assert bg.parse_method("gemm_lora_after") == ("gemm_lora_after", "auto")
+    for bad in ("ragged_dot@pingpong", "gemm@warp", "einsum", "gemm_lora_inside"):
         with pytest.raises(ValueError, match="unknown method"):
             bg.parse_method(bad)
 

@@ -13,7 +13,8 @@ Each backend is held to a float64 NumPy reference:
   of an independent per-row formulation.
 
 ``impl="fast"`` (CUTLASS grouped GEMM on sm90) carries the ``gpu`` marker and
-is checked against ``impl="jnp"``.
+is checked against ``impl="jnp"``. ``Case.run`` folds after the GEMM
+(``lora_in_gemm=False``); tests/test_lora_in_gemm.py checks the fold inside it.
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ class Case:
         return route_folds(route, adapter, e) & tok_ok & (e >= 0)
 
     def run(self, impl: str, *, lora: bool = True, glu: bool = False, stacked: bool = False,
-            jit: bool = True, gather_max_rows: int | None = None, schedule: str = "auto"):
+            jit: bool = True, gather_max_rows: int | None = None, schedule: str = "auto",
+            lora_in_gemm: bool | None = False):
         with on_platform(impl):
             pair = len(self.ws) == 2
             w = tuple(to_device(self.ws)) if pair else to_device(self.ws[0])
@@ -128,7 +130,8 @@ class Case:
                 return ml.expert_matmul(x, w, gs, lora=lo, row_adapter=ra,
                                         sorted_token_ids=stids, x_gather=self.x_gather,
                                         glu=glu, stacked=stacked, impl=impl,
-                                        gather_max_rows=gather_max_rows, schedule=schedule)
+                                        gather_max_rows=gather_max_rows, schedule=schedule,
+                                        lora_in_gemm=lora_in_gemm)
 
             f = jax.jit(f) if jit else f
             out = f(args[0], w, args[1], args[2], args[3], lo)

@@ -17,6 +17,11 @@ fold is exactly ``moe_lora_grouped_down`` on ``base`` with ``x_gather=0``
 over ``xs``: same skip rules, same roundings, and rows without an adapter are
 bit-identical to the same backend's GEMM without LoRA.
 
+Where the CUTLASS kernel folds inside its K loop (``lora_in_gemm``), an adapted
+row is instead ``round(xs[r] @ w[e] + round(xs[r] A^T) @ round(scale * B^T))``:
+one fp32 accumulation, one rounding of the output (the same skip rules; rows
+without an adapter still bit-identical to the GEMM without LoRA).
+
 Backends: ``"jnp"`` and ``"cpu"`` run ``jax.lax.ragged_dot`` and the fold
 with that impl; ``"fast"`` runs one custom call (CUTLASS grouped GEMM on sm90,
 then the fast grouped fold in the same handler) for bf16/f16 when the
@@ -61,8 +66,9 @@ from jax_moelora.ops.folds import gather_rows_limit
 from jax_moelora.ops.jnp_fold import rounded
 from jax_moelora.tables import FLOAT_DTYPES, MoeExpertRoute
 
-__all__ = ["expert_matmul", "expert_offsets", "uses_kernel", "gemm_schedule",
-           "EXPERT_MATMUL_IMPLS", "EXPERT_MATMUL_SCHEDULES", "PINGPONG_MAX_K"]
+__all__ = ["expert_matmul", "expert_offsets", "uses_kernel", "gemm_schedule", "lora_ext_k",
+           "lora_in_gemm_default", "EXPERT_MATMUL_IMPLS", "EXPERT_MATMUL_SCHEDULES",
+           "PINGPONG_MAX_K", "LORA_IN_GEMM_K_FRACTION"]
 
 EXPERT_MATMUL_IMPLS = ("auto", "fast", "cpu", "jnp")
 Impl = Literal["auto", "fast", "cpu", "jnp"]
@@ -74,6 +80,10 @@ EXPERT_MATMUL_SCHEDULES = ("auto", "cooperative", "pingpong")
 Schedule = Literal["auto", "cooperative", "pingpong"]
 #: ``schedule="auto"`` takes the pingpong kernel up to this ``K`` (docs/expert_matmul.md).
 PINGPONG_MAX_K = 1024
+#: ``lora_in_gemm=None`` folds inside the GEMM while every route's extension of
+#: the K loop (:func:`lora_ext_k`) is at most ``K / LORA_IN_GEMM_K_FRACTION``
+#: (docs/expert_matmul.md, "The LoRA inside the GEMM").
+LORA_IN_GEMM_K_FRACTION = 8
 
 _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
@@ -184,6 +194,7 @@ class _Cfg(NamedTuple):
     pdl: bool = True   # programmatic dependent launch of the fold (ops/launch.py)
     gather: bool = False  # the LoRA folded by the gather fold (M <= gather_max_rows)
     schedule: str = "cooperative"  # the CUTLASS kernel's schedule (resolved)
+    lora_in_gemm: bool = False  # the kernel folds inside its K loop (lora_in_gemm resolved)
 
 
 def _ragged(xs, w, offsets):
@@ -239,6 +250,22 @@ def _per_platform(cfg: _Cfg, fn, *args):
                                 default=branch("jnp"))
 
 
+def lora_ext_k(route: MoeExpertRoute) -> int:
+    """Columns the LoRA inside the GEMM adds to the K loop for ``route``:
+    ``max_loras * max_rank`` (each adapter's shrink in its own ``R`` columns)."""
+    return route.max_loras * route.max_rank
+
+
+def lora_in_gemm_default(K: int, routes: Sequence[MoeExpertRoute | None]) -> bool:
+    """What ``lora_in_gemm=None`` takes: fold inside the GEMM's K loop when
+    every route's :func:`lora_ext_k` is at most ``K / LORA_IN_GEMM_K_FRACTION``,
+    i.e. the extension costs at most that share of the tile's MMA steps (4
+    adapters of rank 16 add 64 columns: one 64-wide K step against Qwen3's
+    12 for the down projection, 32 for gate/up)."""
+    live = [r for r in routes if r is not None]
+    return bool(live) and all(lora_ext_k(r) * LORA_IN_GEMM_K_FRACTION <= K for r in live)
+
+
 def gemm_schedule(K: int) -> str:
     """The kernel schedule ``schedule="auto"`` takes for a ``[*, K] x [E, K,
     N]`` GEMM: ``"pingpong"`` up to :data:`PINGPONG_MAX_K`, where a tile's
@@ -257,7 +284,7 @@ def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra):
     gather = cfg.gather and any(r is not None for r in routes)
     if kernel and not gather:  # the GEMM and the grouped fold in one custom call
         return expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes, ra, cfg.pdl,
-                                                   cfg.schedule)
+                                                   cfg.schedule, cfg.lora_in_gemm)
     if kernel:
         bases = expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, (None,) * len(ws),
                                                     None, cfg.pdl, cfg.schedule)
@@ -441,7 +468,8 @@ def _rows(xshape, dtype, x_gather, wshape, group_sizes, sorted_token_ids) -> tup
     return M, num_tokens
 
 
-def _check_options(pair: bool, glu: bool, stacked: bool, impl: str, schedule: str) -> None:
+def _check_options(pair: bool, glu: bool, stacked: bool, impl: str, schedule: str,
+                   lora_in_gemm) -> None:
     if glu and not pair:
         raise ValueError("expert_matmul: glu=True needs a gate/up pair of weights")
     if stacked and (not pair or glu):
@@ -452,6 +480,9 @@ def _check_options(pair: bool, glu: bool, stacked: bool, impl: str, schedule: st
     if schedule not in EXPERT_MATMUL_SCHEDULES:
         raise ValueError(f"expert_matmul: schedule must be one of {EXPERT_MATMUL_SCHEDULES}, "
                          f"got {schedule!r}")
+    if lora_in_gemm is not None and not isinstance(lora_in_gemm, bool):
+        raise ValueError(f"expert_matmul: lora_in_gemm must be None, True or False, got "
+                         f"{lora_in_gemm!r}")
 
 
 def _check_row_adapter(row_adapter, num_tokens: int, per_token: bool) -> None:
@@ -490,7 +521,8 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
                   row_adapter: jax.Array | None = None,
                   sorted_token_ids: jax.Array | None = None, x_gather: int = 0,
                   glu: bool = False, stacked: bool = False, impl: Impl = "auto",
-                  gather_max_rows: int | None = None, schedule: Schedule = "auto"):
+                  gather_max_rows: int | None = None, schedule: Schedule = "auto",
+                  lora_in_gemm: bool | None = None):
     """Grouped expert GEMM over expert-sorted rows, with the LoRA delta folded in.
 
     Weights use ``ragged_dot``'s layout ``[E, K, N]`` (``out = x @ w[e]``): a
@@ -529,6 +561,10 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
       schedule: the CUTLASS kernel's schedule (:data:`EXPERT_MATMUL_SCHEDULES`;
         ``"auto"``: :func:`gemm_schedule`). Both give the same bits; other
         backends ignore it.
+      lora_in_gemm: the CUTLASS kernel folds inside its K loop (``True``: one
+        accumulation, the output written once, module docstring) or after the
+        GEMM (``False``); ``None``: :func:`lora_in_gemm_default`. Other
+        backends and the gather fold ignore it.
 
     Returns:
       ``[M, N]`` in x's dtype; for a pair, ``(gate [M, N], up [M, N])``,
@@ -538,7 +574,7 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
     ws, pair = _weights(w, dtype)
     E, K, N = ws[0].shape
     M, num_tokens = _rows(xshape, dtype, x_gather, ws[0].shape, group_sizes, sorted_token_ids)
-    _check_options(pair, glu, stacked, impl, schedule)
+    _check_options(pair, glu, stacked, impl, schedule, lora_in_gemm)
     routes = _routes(lora, pair, dtype, E, K, N)
     has_lora = any(r is not None for r in routes)
     _check_row_adapter(row_adapter, num_tokens, x_gather or sorted_token_ids is None)
@@ -550,7 +586,8 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
     offsets = expert_offsets(group_sizes, M)
     routes = tuple(None if r is None else jax.tree_util.tree_map(jnp.asarray, r) for r in routes)
     cfg = _Cfg(impl, ra is not None, launch.programmatic_launch_enabled(), gather,
-               gemm_schedule(K) if schedule == "auto" else schedule)
+               gemm_schedule(K) if schedule == "auto" else schedule,
+               lora_in_gemm_default(K, routes) if lora_in_gemm is None else lora_in_gemm)
     ra_arg = ra if ra is not None else jnp.zeros((1,), jnp.int32)
     out = _op(cfg)(xs, tuple(ws), offsets, stids, routes, ra_arg)  # [len(ws), M, N]
     if not pair:

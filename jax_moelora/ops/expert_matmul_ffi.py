@@ -17,7 +17,7 @@ import numpy as np
 from jax_moelora import _ext
 from jax_moelora.tables import MoeExpertRoute
 
-__all__ = ["expert_matmul_ffi", "device_sm_count"]
+__all__ = ["expert_matmul_ffi", "device_sm_count", "lora_in_gemm_scratch"]
 
 
 @functools.cache
@@ -48,12 +48,27 @@ _SCHEDULES = {"cooperative": _ext.EXPERT_MATMUL_COOPERATIVE,
               "pingpong": _ext.EXPERT_MATMUL_PINGPONG}
 
 
-def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter, pdl: bool, schedule: str):
+def _align(nbytes: int) -> int:
+    a = _ext.EXPERT_MATMUL_SCRATCH_ALIGN
+    return -(-nbytes // a) * a
+
+
+def lora_in_gemm_scratch(routes, E: int, N: int, itemsize: int) -> int:
+    """Bytes of the packed ``round(scale * B^T)`` blocks the LoRA inside the
+    GEMM reads (``[min(n_experts, E), L * R, N]`` per route), after the GEMM's
+    scratch (the layout of ``expert_matmul_handler.cu``)."""
+    return sum(_align(min(r.n_experts, E) * r.max_loras * r.max_rank * N * itemsize)
+               for r in routes if r is not None)
+
+
+def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter, pdl: bool, schedule: str,
+                      lora_in_gemm: bool = False):
     """One custom call: the grouped GEMM of each weight set in ``ws`` (one or
     two ``[E, K, N]``) over ``xs [M, K]`` with the CUTLASS kernel of
     ``schedule`` (``"cooperative"`` or ``"pingpong"``), each output folded
-    with its route. Returns ``[len(ws), M, N]``: weight set ``i``'s output is
-    plane ``i``."""
+    with its route: after the GEMM, or with ``lora_in_gemm`` inside its K
+    loop. Returns ``[len(ws), M, N]``: weight set ``i``'s output is plane
+    ``i``."""
     _ext.register()
     M, _ = xs.shape
     E, _, N = ws[0].shape
@@ -61,10 +76,16 @@ def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter, pdl: bool, sc
     dt = xs.dtype
     sm = device_sm_count()
     scratch = int(_ext.ext.expert_matmul_scratch_bytes(nw * E, sm))
-    ranks = [r.max_rank for r in routes if r is not None]
+    live = [r for r in routes if r is not None]
+    fuse = bool(lora_in_gemm and live)
+    if fuse:  # xa: each weight set's [M, L * R] plane (row stride its own L * R)
+        scratch += lora_in_gemm_scratch(routes, E, N, jnp.dtype(dt).itemsize)
+        xa_shape = (nw, M, max(r.max_loras * r.max_rank for r in live))
+    else:  # xa: the fold's [M, R]
+        xa_shape = (M if live else 1, max((r.max_rank for r in live), default=1))
     out_types = (jax.ShapeDtypeStruct((nw, M, N), dt),
                  jax.ShapeDtypeStruct((scratch,), jnp.uint8),
-                 jax.ShapeDtypeStruct((M if ranks else 1, max(ranks, default=1)), dt))
+                 jax.ShapeDtypeStruct(xa_shape, dt))
     ra = row_adapter if row_adapter is not None else jnp.zeros((1,), jnp.int32)
     w1 = ws[1] if nw > 1 else ws[0]
     r0 = _route_operands(routes[0], dt)
@@ -75,5 +96,5 @@ def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter, pdl: bool, sc
         num_weights=np.int64(nw), has_lora0=np.int64(routes[0] is not None),
         has_lora1=np.int64(nw > 1 and routes[1] is not None),
         has_row_adapter=np.int64(row_adapter is not None), sm_count=np.int64(sm),
-        pdl=np.int64(pdl), schedule=np.int64(_SCHEDULES[schedule]))
+        pdl=np.int64(pdl), schedule=np.int64(_SCHEDULES[schedule]), lora_in_gemm=np.int64(fuse))
     return out

@@ -10,7 +10,12 @@ jitted program, the median of ``--runs`` runs, divided by ``--reps``):
 
 - ``gemm``: ``expert_matmul`` (``impl="auto"``) without LoRA;
 - ``gemm_lora``: the same with ``--adapters`` adapters of rank ``--rank``
-  folded (one per token, every (adapter, expert) cell adapted);
+  folded (one per token, every (adapter, expert) cell adapted), where
+  ``lora_in_gemm_default`` puts the fold; ``gemm_lora_in`` and
+  ``gemm_lora_after`` put it inside the GEMM's K loop or after the GEMM
+  (``lora_in_gemm=True``/``False``; the gather fold's row counts fold after
+  the GEMM either way unless ``gather_max_rows`` is lowered: both fold with
+  the grouped fold, ``gather_max_rows=0``);
 - ``ragged_dot``: ``jax.lax.ragged_dot`` (bf16 operands, fp32 accumulation)
   per weight set; skipped where XLA's dense lowering would need more than
   ``--ragged-max-gib`` (its ``[E, M, N]`` fp32 intermediate).
@@ -56,6 +61,8 @@ __all__ = ["GemmCase", "GEMM_TOKENS", "GEMM_PROJS", "GEMM_METHODS", "run_gemm_be
 GEMM_TOKENS = (64, 256, 4096, 16384)
 GEMM_PROJS = ("gate_up", "down")
 GEMM_METHODS = ("gemm", "gemm_lora", "ragged_dot")
+#: Methods run only when named: the LoRA inside the GEMM or after it.
+LORA_PLACE_METHODS = {"gemm_lora_in": True, "gemm_lora_after": False}
 # --quick on the CPU: a small custom model, few tokens and repetitions.
 QUICK_CPU_MODEL = "tiny:16:2:256:128"
 QUICK_CPU_TOKENS = (16, 64)
@@ -177,10 +184,11 @@ def parse_method(method: str) -> tuple[str, str]:
     schedule, or a schedule on ``ragged_dot``."""
     base, at, schedule = method.partition("@")
     schedule = schedule if at else "auto"
-    if (base not in GEMM_METHODS or schedule not in EXPERT_MATMUL_SCHEDULES
+    if (base not in (*GEMM_METHODS, *LORA_PLACE_METHODS) or schedule not in EXPERT_MATMUL_SCHEDULES
             or (at and base == "ragged_dot")):
-        raise ValueError(f"unknown method {method!r}; known: {', '.join(GEMM_METHODS)}, and "
-                         f"gemm or gemm_lora @ one of {', '.join(EXPERT_MATMUL_SCHEDULES[1:])}")
+        raise ValueError(f"unknown method {method!r}; known: "
+                         f"{', '.join((*GEMM_METHODS, *LORA_PLACE_METHODS))}, and those but "
+                         f"ragged_dot @ one of {', '.join(EXPERT_MATMUL_SCHEDULES[1:])}")
     return base, schedule
 
 
@@ -188,18 +196,21 @@ def _method_fn(method: str, c: GemmCase, impl: str):
     """``fn(out, args) -> out`` for the benchmark loop (out: the first output)."""
     method, schedule = parse_method(method)
 
-    def call(out, a, lora, impl=impl):
+    def call(out, a, lora, impl=impl, in_gemm=None):
+        grouped = {} if in_gemm is None else {"gather_max_rows": 0}
         out = expert_matmul(a["x"], a["w"], _chained_sizes(out, a),
                             lora=a["routes"] if lora else None,
                             row_adapter=a["row_adapter"] if lora else None,
                             sorted_token_ids=a["sorted_token_ids"], impl=impl,
-                            schedule=schedule)
+                            schedule=schedule, lora_in_gemm=in_gemm, **grouped)
         return out if c.n_weights == 1 else jnp.stack(out)
 
     if method == "gemm":
         return lambda out, a: call(out, a, False)
     if method == "gemm_lora":
         return lambda out, a: call(out, a, True)
+    if method in LORA_PLACE_METHODS:
+        return lambda out, a: call(out, a, True, in_gemm=LORA_PLACE_METHODS[method])
     if method == "ragged_dot":
         def ragged(out, a):
             ws = a["w"] if c.n_weights == 2 else (a["w"],)
@@ -240,7 +251,7 @@ def run_gemm_bench(cases: list[GemmCase], methods: tuple[str, ...], *, reps: int
         out0 = jnp.zeros(shape, jnp.bfloat16)
         refs = {}
         for method in methods:
-            lora = parse_method(method)[0] == "gemm_lora"
+            lora = parse_method(method)[0].startswith("gemm_lora")
             f = gemm_floor(c, inputs, lora=lora, bandwidth=bandwidth, matmul_rate=rate)
             row = {"model": c.model.name, "proj": c.proj, "tokens": c.tokens, "rows": c.rows,
                    "method": method, "adapters": c.adapters if lora else 0,
@@ -280,7 +291,9 @@ def _time_row(row: dict, c: GemmCase, method: str, args: dict, out0: jax.Array, 
     out of memory in XLA's autotuner) leaves the row timed and not checked."""
     try:
         first = None
-        base = parse_method(method)[0]  # a reference per base method, shared by the schedules
+        base = parse_method(method)[0]
+        # a reference per base method, shared by the schedules and the fold's places
+        base = "gemm_lora" if base.startswith("gemm_lora") else base
         if check and base in ("gemm", "gemm_lora"):
             if ref_too_large:  # the jnp reference lowers through ragged_dot, dense on a GPU
                 row["check"] = "not checked (reference too large)"

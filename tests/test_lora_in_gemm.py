@@ -1,0 +1,261 @@
+"""``expert_matmul(lora_in_gemm=...)``: the LoRA delta inside the CUTLASS GEMM's
+K loop (docs/expert_matmul.md, "The LoRA inside the GEMM").
+
+An adapted row is ``round(xs @ w[e] + round(xs A^T) @ round(scale * B^T))``,
+one fp32 accumulation and one rounding; the rows the grouped fold's skip rules
+leave alone keep the bits of the GEMM without LoRA. The kernel is held to:
+
+- rows without an adapter bit-identical to the same kernel's GEMM alone;
+- folded rows within the GEMM's relative error of the float64
+  ``xs @ w[e] + scale * (xs A^T) B^T``, and their delta within the fold's
+  delta tolerance of the float64 delta;
+- the fold after the GEMM (``lora_in_gemm=False``): at least 99 % of the
+  folded values within 1 ulp;
+- both kernel schedules giving the same bits.
+
+Without a GPU only the heuristic, the validation and the other backends'
+indifference to the option are checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_moelora as ml
+from _fold_cases import DELTA_RTOL, bits, make_route, route_folds, ulp_distance
+from jax_moelora.ops.expert_matmul import (LORA_IN_GEMM_K_FRACTION, lora_ext_k,
+                                           lora_in_gemm_default)
+from test_expert_matmul import GEMM_RTOL, Case, make_case, rng  # noqa: F401  (rng: fixture)
+
+GPU = pytest.mark.gpu
+HALF = pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+
+
+def _route(L: int, R: int, K: int = 64, N: int = 32):
+    return make_route(np.random.default_rng(0), num_loras=L, n_experts=4, k_in=K, n_out=N,
+                      ranks=(R,), max_rank=R)
+
+
+# ------------------------------------------------------------------ anywhere
+
+def test_default_folds_inside_when_the_extension_is_short():
+    """``lora_in_gemm=None``: inside the K loop when every route adds at most
+    ``K / LORA_IN_GEMM_K_FRACTION`` columns (``L * R``): Qwen3's down (K = 768)
+    and gate/up (2048) with 4 adapters of rank 16 (64 columns); not 4 of rank
+    64 at K = 768, nor without a route."""
+    assert LORA_IN_GEMM_K_FRACTION == 8
+    r16, r64 = _route(4, 16), _route(4, 64)
+    assert lora_ext_k(r16) == 64 and lora_ext_k(r64) == 256
+    assert lora_in_gemm_default(768, [r16]) and lora_in_gemm_default(2048, [r16, None])
+    assert lora_in_gemm_default(512, [r16]) and not lora_in_gemm_default(504, [r16])
+    assert not lora_in_gemm_default(768, [r64]) and lora_in_gemm_default(2048, [r64])
+    assert not lora_in_gemm_default(768, [r16, r64])
+    assert not lora_in_gemm_default(4096, [None, None]) and not lora_in_gemm_default(4096, [])
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0.0])
+def test_lora_in_gemm_must_be_a_bool_or_none(rng, bad):
+    case = make_case(rng, num_loras=2)
+    with pytest.raises(ValueError, match="lora_in_gemm"):
+        ml.expert_matmul(case.x, case.ws[0], case.group_sizes, lora=case.routes[0],
+                         row_adapter=case.row_adapter, sorted_token_ids=case.sorted_token_ids,
+                         impl="jnp", lora_in_gemm=bad)
+
+
+@pytest.mark.parametrize("impl", ["cpu", "jnp"])
+def test_other_backends_ignore_it(rng, impl):
+    """Only the CUDA kernel folds inside its K loop: the CPU and jnp backends
+    give the same bits whatever ``lora_in_gemm`` says."""
+    case = make_case(rng, num_loras=4, K=64, ranks=(8,), max_rank=8)
+    outs = [case.run(impl, lora_in_gemm=v) for v in (None, True, False)]
+    for o in outs[1:]:
+        np.testing.assert_array_equal(bits(o), bits(outs[0]))
+
+
+# ------------------------------------------------------------------ the kernel
+
+def _rows(case: Case):
+    """Each sorted row's expert (-1 outside the groups) and row-adapter value."""
+    M, offs = case.M, case.offsets
+    expert = np.full(M, -1)
+    for e in range(len(offs) - 1):
+        expert[offs[e]:offs[e + 1]] = e
+    stids = (np.arange(M) if case.sorted_token_ids is None
+             else case.sorted_token_ids.astype(np.int64))
+    if case.row_adapter is None:
+        return expert, np.zeros(M, np.int64)
+    ra = case.row_adapter
+    return expert, ra[np.clip(stids, 0, ra.shape[0] - 1)].astype(np.int64)
+
+
+def exact(case: Case, w: np.ndarray, route) -> tuple[np.ndarray, np.ndarray]:
+    """float64 ``xs @ w[e] + scale * (xs A^T) B^T`` of every row (no
+    intermediate rounding), and the bool mask of the rows that fold."""
+    xs = case.xs().astype(np.float64)
+    out = np.zeros((case.M, w.shape[2]))
+    expert, adapter = _rows(case)
+    for e in range(w.shape[0]):
+        rows = expert == e
+        out[rows] = xs[rows] @ w[e].astype(np.float64)
+    folds = case.fold_rows(route) if route is not None else np.zeros(case.M, bool)
+    if route is None:
+        return out, folds
+    L = route.a_table.shape[0]
+    table_row = np.zeros_like(adapter) if L == 1 else adapter
+    a_pool = np.asarray(route.a_pool, np.float64)
+    b_pool = np.asarray(route.b_pool, np.float64)
+    for l, e in {(int(l), int(e)) for l, e in zip(table_row[folds], expert[folds])}:
+        rows = folds & (table_row == l) & (expert == e)
+        a, b, s = route.a_table[l, e], route.b_table[l, e], route.scale_table[l, e]
+        out[rows] += float(s) * (xs[rows] @ a_pool[a].T) @ b_pool[b].T
+    return out, folds
+
+
+def check_in_gemm(case: Case, fused: np.ndarray, base: np.ndarray, after: np.ndarray,
+                  w: np.ndarray, route) -> None:
+    """The criteria of the module docstring for one weight set's output."""
+    ref, folds = exact(case, w, route)
+    np.testing.assert_array_equal(bits(fused[~folds]), bits(base[~folds]))
+    if route is None or not folds.any():
+        return
+    f64 = fused[folds].astype(np.float64)
+    rel = np.linalg.norm(f64 - ref[folds]) / np.linalg.norm(ref[folds])
+    assert rel <= GEMM_RTOL[fused.dtype], f"relative error {rel:.3g}"
+    gemm64, _ = exact(case, w, None)
+    delta_want = ref[folds] - gemm64[folds]
+    delta_got = f64 - gemm64[folds]
+    drel = np.linalg.norm(delta_got - delta_want) / np.linalg.norm(delta_want)
+    assert drel <= 2 * DELTA_RTOL[fused.dtype], f"delta relative error {drel:.3g}"
+    near = float((ulp_distance(fused[folds], after[folds]) <= 1).mean())
+    assert near >= 0.99, f"only {near:.4f} of the folded values within 1 ulp of the fold after"
+
+
+def _planes(out, pair: bool):
+    return out if pair else (out,)
+
+
+@GPU
+@HALF
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
+@pytest.mark.parametrize("pair", [False, True], ids=["single", "gate_up"])
+@pytest.mark.parametrize("shape", [(5, 136, 200, 300, 4, 16), (6, 64, 48, 56, 1, 8),
+                                   (7, 512, 264, 700, 3, 16)],
+                         ids=["partial_k_tile", "one_adapter", "three_adapters"])
+def test_in_gemm_matches_the_exact_product(rng, dtype, schedule, pair, shape):
+    """Partial tiles in M, N and K (K = 136: the base K loop ends in a partial
+    64-wide step before the extension's), 1, 3 and 4 adapters (with and
+    without a row-adapter map), unadapted cells, adapter values out of range,
+    the last expert past the tables, NaN in the pools' slot 0 (never read)."""
+    E, K, N, M, L, R = shape
+    case = make_case(rng, dtype=dtype, num_loras=L, pair=pair, E=E, K=K, N=N, M=M,
+                     ranks=(R // 2, R), max_rank=R, with_map=L > 1)
+    base = _planes(case.run("fast", lora=False, schedule=schedule), pair)
+    fused = _planes(case.run("fast", lora_in_gemm=True, schedule=schedule), pair)
+    after = _planes(case.run("fast", lora_in_gemm=False, gather_max_rows=0, schedule=schedule),
+                    pair)
+    for i in range(len(case.ws)):
+        check_in_gemm(case, fused[i], base[i], after[i], case.ws[i], case.routes[i])
+
+
+@GPU
+@pytest.mark.parametrize("pair", [False, True], ids=["down", "gate_up"])
+def test_in_gemm_model_shapes(pair):
+    """Qwen3-30B-A3B's experts (128, K = 768 down / 2048 gate/up), 4096 rows, 4
+    adapters of rank 16 (the default takes the kernel's K loop here), both
+    schedules giving the same bits."""
+    rng = np.random.default_rng(11)
+    E, M = 128, 4096
+    K, N = (2048, 768) if pair else (768, 2048)
+    sizes = np.bincount(rng.integers(0, E, M - 37), minlength=E).astype(np.int32)
+    case = make_case(rng, E=E, K=K, N=N, M=M, group_sizes=sizes, num_loras=4, pair=pair,
+                     ranks=(16,), max_rank=16)
+    assert lora_in_gemm_default(K, case.routes)
+    base = _planes(case.run("fast", lora=False), pair)
+    fused = _planes(case.run("fast", lora_in_gemm=None), pair)
+    after = _planes(case.run("fast", lora_in_gemm=False, gather_max_rows=0), pair)
+    for i in range(len(case.ws)):
+        check_in_gemm(case, fused[i], base[i], after[i], case.ws[i], case.routes[i])
+    other = "pingpong" if K > 1024 else "cooperative"
+    for f, o in zip(fused, _planes(case.run("fast", lora_in_gemm=None, schedule=other), pair)):
+        np.testing.assert_array_equal(bits(f), bits(o))
+
+
+@GPU
+def test_one_sided_pair_and_zero_scales(rng):
+    """A gate/up pair with only up adapted: gate keeps the GEMM's bits. Scales
+    of zero fold zeros: every row keeps the GEMM's bits."""
+    case = make_case(rng, num_loras=4, pair=True, E=5, K=128, N=64, M=200, ranks=(16,),
+                     max_rank=16)
+    one_sided = dataclasses.replace(case, routes=(None, case.routes[1]))
+    base = one_sided.run("fast", lora=False)
+    out = one_sided.run("fast", lora_in_gemm=True)
+    np.testing.assert_array_equal(bits(out[0]), bits(base[0]))
+    zero = dataclasses.replace(case.routes[1],
+                               scale_table=np.zeros_like(case.routes[1].scale_table))
+    out = dataclasses.replace(case, routes=(zero, zero)).run("fast", lora_in_gemm=True)
+    for o, b in zip(out, base):
+        np.testing.assert_array_equal(bits(o), bits(b))
+
+
+@GPU
+def test_glu_in_gemm(rng):
+    """``glu=True`` on the folded gate and up: within the GEMM's error of the
+    float64 GLU of the exact products."""
+    case = make_case(rng, num_loras=2, pair=True, E=5, K=256, N=96, M=300, ranks=(16,),
+                     max_rank=16)
+    out = case.run("fast", glu=True, lora_in_gemm=True)
+    g, _ = exact(case, case.ws[0], case.routes[0])
+    u, _ = exact(case, case.ws[1], case.routes[1])
+    want = g / (1.0 + np.exp(-g)) * u
+    rel = np.linalg.norm(out.astype(np.float64) - want) / np.linalg.norm(want)
+    assert rel <= 2 * GEMM_RTOL[out.dtype], rel
+
+
+@GPU
+@pytest.mark.parametrize("option, value", [(True, 1), (False, 0), (None, 1)])
+def test_option_reaches_the_custom_call(option, value):
+    """The resolved option is the custom call's ``lora_in_gemm`` attribute."""
+    route = jax.tree.map(jnp.asarray, _route(4, 16, K=768, N=64))
+    x, w = jnp.zeros((64, 768), jnp.bfloat16), jnp.zeros((4, 768, 64), jnp.bfloat16)
+    gs = jnp.asarray([16, 16, 16, 16], jnp.int32)
+    hlo = jax.jit(lambda x, w, gs, r: ml.expert_matmul(
+        x, w, gs, lora=r, impl="fast", gather_max_rows=0, lora_in_gemm=option)
+    ).lower(x, w, gs, route).as_text()
+    assert re.findall(r"lora_in_gemm = (\d+)", hlo) == [str(value)]
+
+
+@GPU
+def test_block_prefill_folds_in_the_gemm():
+    """``MoEBlock``'s prefill on the GPU (sorted rows, the CUTLASS GEMM) folds
+    gate/up and down inside the GEMMs' custom calls (``lora_in_gemm = 1``
+    twice in the program) and agrees with the block folding after the GEMMs
+    (``impl="simple"``) within bf16 error."""
+    from flax import nnx
+
+    from jax_moelora.nnx import MoEBlock
+
+    block = MoEBlock(512, 256, 8, 2, max_loras=2, max_rank=16, dtype=jnp.bfloat16,
+                     gather_max_rows=0, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(3)
+    for slot in range(2):  # two adapters on every projection, one expert unadapted
+        for name in ("router", "gate", "up", "down"):
+            proj = block.lora.projection(name)
+            e, k, n = proj.n_experts, proj.k_in, proj.n_out
+            present = np.arange(e) != slot
+            proj.write_slot(slot, rng.normal(0, k**-0.5, (e, 16, k)),
+                            rng.normal(0, 0.05, (e, n, 16)), rng.uniform(0.5, 1.5, e), present)
+    x = jnp.asarray(rng.normal(size=(96, 512)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(-1, 2, 96), jnp.int32)
+    fused = jax.jit(lambda x, i: block(x, i))
+    hlo = fused.lower(x, ids).as_text()
+    assert re.findall(r"lora_in_gemm = (\d+)", hlo) == ["1", "1"]
+    got = np.asarray(fused(x, ids), np.float64)
+    want = np.asarray(jax.jit(lambda x, i: block(x, i, impl="simple"))(x, ids), np.float64)
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel <= 2e-2, rel
