@@ -42,6 +42,7 @@ from jax_moelora.nnx.experts import (
     GptOssExperts,
     SharedExperts,
     default_expert_init,
+    folds_in_gemm,
     scatter_rows,
     take_slots,
 )
@@ -288,8 +289,19 @@ class MoEBlock(nnx.Module):
         if (routes is not None and rows.path == "dense" and not plan.grouped
                 and isinstance(self.experts, GluExperts)):
             return self._routed_dense(x, topk_ids, adapter_ids, routes, impl)
+        in_gemm = (routes is not None and isinstance(self.experts, GluExperts)
+                   and folds_in_gemm(rows, x.dtype, self.hidden_size,
+                                     self.intermediate_size, impl)
+                   and folds_in_gemm(rows, x.dtype, self.intermediate_size,
+                                     self.hidden_size, impl))
         # gate and up with LoRA: one fold of their stacked route
-        if routes is not None and plan.grouped:  # sorted rows, stacked [2, rows, I]
+        if in_gemm:  # sorted rows, the folds in the GEMMs' custom calls
+            gu = self.experts.first_folded(
+                x, rows, (routes.gate, routes.up), adapter_ids,
+                lambda base: fold_planned(x, base, plan, routes.gate_up, adapter_ids,
+                                          x_gather=1, impl=impl))
+            g, u = gu[0], gu[1]
+        elif routes is not None and plan.grouped:  # sorted rows, stacked [2, rows, I]
             gu = fold_planned(x, self.experts.first_stacked(x, rows), plan, routes.gate_up,
                               adapter_ids, x_gather=1, impl=impl)
             g, u = gu[0], gu[1]
@@ -299,6 +311,12 @@ class MoEBlock(nnx.Module):
                 g, u = fold_token_projections(x, (g, u), plan.topk_ids, routes.gate_up,
                                               adapter_ids, impl=impl)
         h = self.experts.activation(g, u)
+        if in_gemm:
+            d = self.experts.down_folded(
+                h, rows, routes.down, adapter_ids,
+                lambda base: fold_planned(h, base[0], plan, routes.down, adapter_ids,
+                                          x_gather=0, impl=impl)[None])
+            return plan.to_flat_order(d)
         d = self.experts.down(h, rows)
         if routes is not None:
             d = fold_planned(h, d, plan, routes.down, adapter_ids, x_gather=0, impl=impl)

@@ -40,8 +40,9 @@ from jax_moelora.ops.take_rows import take_rows
 
 __all__ = ["EXPERT_GEMMS", "ExpertGemm", "ExpertPath", "ExpertRows", "GluExperts",
            "GptOssExperts", "SharedExperts", "default_expert_init", "dense_all_rows",
-           "dense_all_tokens", "expert_matmul", "expert_matmul_pair",
-           "grouped_gemm_runs_kernel", "per_expert", "scatter_rows", "take_slots"]
+           "dense_all_tokens", "expert_matmul", "expert_matmul_folded", "expert_matmul_pair",
+           "folds_in_gemm", "grouped_gemm_runs_kernel", "per_expert", "scatter_rows",
+           "take_slots"]
 
 Array = jax.Array
 ExpertPath = Literal["dense", "ragged"]
@@ -212,6 +213,43 @@ def expert_matmul_pair(x: Array, ws: tuple[Array, ...], rows: ExpertRows, *,
     return jnp.stack(outs) if stacked else tuple(outs)
 
 
+def folds_in_gemm(rows: ExpertRows, dtype: Any, k: int, n: int, impl: str) -> bool:
+    """Whether :func:`expert_matmul_folded` may fold in the GEMM's custom call:
+    sorted rows on the ragged path, a grouped GEMM that is the library's
+    kernel where it runs (``expert_gemm`` ``"auto"`` or ``"expert_matmul"``),
+    a kernel built that takes these operands, and the fast folds (``impl``
+    ``"auto"`` or ``"fast"``)."""
+    return (rows.path == "ragged" and rows.plan.grouped and rows.gemm != "ragged_dot"
+            and impl in ("auto", "fast") and grouped_gemm_runs_kernel(dtype, k, n))
+
+
+def expert_matmul_folded(x: Array, ws: tuple[Array, ...], rows: ExpertRows, routes: tuple,
+                         row_adapter: Array | None, fold, *, x_gather: bool) -> Array:
+    """:func:`expert_matmul_pair` (stacked ``[len(ws), T * top_k, N]``, a
+    sorted plan on the ragged path: :func:`folds_in_gemm`) with each weight
+    set's LoRA route of ``routes`` folded. Lowered for CUDA, one custom call
+    (:func:`jax_moelora.expert_matmul` with ``lora``, the grouped fold inside
+    the GEMM's K loop where ``lora_in_gemm_default`` says so, else after it in
+    the same call); on any other platform the GEMM, then ``fold`` of its
+    stacked output (the block's grouped fold)."""
+    srt = rows.ragged
+    sizes = jnp.diff(srt.expert_offsets).astype(jnp.int32)
+    xs = take_rows(x, srt.sorted_token_ids) if x_gather else x
+    pair = len(ws) == 2
+
+    def in_gemm(xs, ws, sizes):
+        out = _library_expert_matmul(
+            xs, ws if pair else ws[0], sizes, lora=tuple(routes) if pair else routes[0],
+            row_adapter=row_adapter, sorted_token_ids=srt.sorted_token_ids, stacked=pair,
+            impl="fast", gather_max_rows=0)
+        return out if pair else out[None]
+
+    def after(xs, ws, sizes):
+        return fold(_grouped_gemm(xs, ws, sizes, rows.gemm, stacked=True))
+
+    return backend.per_platform(xs, tuple(ws), sizes, cpu=after, cuda=in_gemm, default=after)
+
+
 def expert_matmul(x: Array, w: Array, rows: ExpertRows, *, x_gather: bool) -> Array:
     """Each row through its expert's ``w [E, K, N]``: ``[T * top_k, N]`` in plan
     order (:func:`expert_matmul_pair` with one weight set)."""
@@ -258,6 +296,15 @@ class GluExperts(nnx.Module):
                                       self.up_proj[...].astype(self.dtype)), rows, x_gather=True,
                                   stacked=True)
 
+    def first_folded(self, x: Array, rows: ExpertRows, routes: tuple, row_adapter: Array | None,
+                     fold) -> Array:
+        """:meth:`first_stacked` with the gate and up LoRA ``routes`` folded
+        (:func:`expert_matmul_folded`; ``fold`` folds the stacked output where
+        the GEMM's custom call does not)."""
+        return expert_matmul_folded(x, (self.gate_proj[...].astype(self.dtype),
+                                        self.up_proj[...].astype(self.dtype)), rows, routes,
+                                    row_adapter, fold, x_gather=True)
+
     def first_all(self, x: Array) -> tuple[Array, Array]:
         """Tokens ``x [T, H]`` -> base gate and up of every expert on every
         token, ``[E, T, I]`` each (the dense path's layout before the chosen
@@ -273,6 +320,13 @@ class GluExperts(nnx.Module):
     def down(self, h: Array, rows: ExpertRows) -> Array:
         """Rows ``h [T * top_k, I]`` -> base down rows ``[T * top_k, H]``."""
         return expert_matmul(h, self.down_proj[...].astype(self.dtype), rows, x_gather=False)
+
+    def down_folded(self, h: Array, rows: ExpertRows, route, row_adapter: Array | None,
+                    fold) -> Array:
+        """:meth:`down` with the down LoRA ``route`` folded (as
+        :meth:`first_folded`; ``fold`` takes and returns ``[1, rows, H]``)."""
+        return expert_matmul_folded(h, (self.down_proj[...].astype(self.dtype),), rows, (route,),
+                                    row_adapter, fold, x_gather=False)[0]
 
     def down_all(self, h_all: Array) -> Array:
         """Rows ``h_all [E, T, I]`` (:func:`scatter_rows` of the flat rows) ->
