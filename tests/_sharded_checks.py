@@ -162,6 +162,54 @@ def check_gradients_through_shard_map():
         _close(summed, ref[2 + k], f"expert: d{names[2 + k]}")
 
 
+def check_expert_matmul_gradients_through_shard_map():
+    """``expert_matmul`` (gate/up with LoRA) data-parallel over 8 devices, each
+    with its own expert-sorted rows, weights and routes replicated: f32
+    gradients w.r.t. x, both weight sets and both routes' pools and scales
+    equal the unsharded ones (per-device rows; weights and routes summed over
+    the devices)."""
+    from jax.sharding import PartitionSpec as P
+
+    from jax_moelora import expert_matmul
+
+    rng = np.random.default_rng(9)
+    D, M, K, N, E = 8, 24, 16, 12, 5
+    routes = tuple(_case(seed, dtype=F32, K=K, N=N, E=E - 1).route for seed in (9, 10))
+    x = jnp.asarray(rng.normal(size=(D, M, K)), F32)
+    ws = tuple(jnp.asarray(rng.normal(size=(E, K, N)) / K ** 0.5, F32) for _ in range(2))
+    sizes = jnp.asarray([np.bincount(rng.integers(0, E, M - 2), minlength=E) for _ in range(D)],
+                        jnp.int32)
+    ra = jnp.asarray(rng.integers(-1, routes[0].max_loras + 1, (D, M)), jnp.int32)
+    cot = jnp.asarray(rng.normal(size=(D, 2, M, N)), F32)
+
+    pools = tuple((r.a_pool, r.b_pool, r.scale_table) for r in routes)
+
+    def one(x, ws, pools, sizes, ra, cot):  # one device's rows
+        lora = tuple(r.tree_unflatten(None, (a, b, r.a_table, r.b_table, s))
+                     for r, (a, b, s) in zip(routes, pools))
+        out = expert_matmul(x, ws, sizes, lora=lora, row_adapter=ra, stacked=True)
+        return jnp.sum(out * cot)
+
+    grad = jax.grad(one, argnums=(0, 1, 2))
+    mesh = _mesh((D,), ("d",))
+
+    def sharded_loss(x, ws, pools, sizes, ra, cot):  # the loss of every device's rows
+        def local(x, ws, pools, sizes, ra, cot):
+            return jax.lax.psum(one(x[0], ws, pools, sizes[0], ra[0], cot[0]), "d")
+        return sh.shard_map(local, mesh=mesh, in_specs=(P("d"), P(), P(), P("d"), P("d"), P("d")),
+                            out_specs=P())(x, ws, pools, sizes, ra, cot)
+
+    got_x, *got_wp = jax.jit(jax.grad(sharded_loss, argnums=(0, 1, 2)))(x, ws, pools, sizes,
+                                                                          ra, cot)
+    parts = [jax.jit(grad)(x[d], ws, pools, sizes[d], ra[d], cot[d]) for d in range(D)]
+    _close(got_x, jnp.stack([p[0] for p in parts]), "dx")
+    summed = jax.tree.map(lambda *g: sum(g), *[(p[1], p[2]) for p in parts])
+    names = [f"dw[{i}]" for i in range(2)] + [f"route {i}: d{n}" for i in range(2)
+                                              for n in ("a_pool", "b_pool", "scale_table")]
+    for name, g, want in zip(names, jax.tree.leaves(got_wp), jax.tree.leaves(summed)):
+        _close(g, want, name)
+
+
 CHECKS = {name[len("check_"):]: fn for name, fn in globals().items()
           if name.startswith("check_")}
 
