@@ -6,11 +6,11 @@ one fp32 accumulation and one rounding; the rows the grouped fold's skip rules
 leave alone keep the bits of the GEMM without LoRA. The kernel is held to:
 
 - rows without an adapter bit-identical to the same kernel's GEMM alone;
-- folded rows within the GEMM's relative error of the float64
-  ``xs @ w[e] + scale * (xs A^T) B^T``, and their delta within the fold's
-  delta tolerance of the float64 delta;
-- the fold after the GEMM (``lora_in_gemm=False``): at least 99 % of the
-  folded values within 1 ulp;
+- folded rows within the GEMM's relative error (by norm) of the float64
+  ``xs @ w[e] + scale * (xs A^T) B^T``, their delta within the fold's delta
+  tolerance of the float64 delta, and within that tolerance of the fold
+  after the GEMM (``lora_in_gemm=False``; the roundings differ, so bits and
+  ulps do not carry over);
 - both kernel schedules giving the same bits.
 
 Without a GPU only the heuristic, the validation and the other backends'
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import jax_moelora as ml
-from _fold_cases import DELTA_RTOL, bits, make_route, route_folds, ulp_distance
+from _fold_cases import DELTA_RTOL, bits, make_route
 from jax_moelora.ops.expert_matmul import (LORA_IN_GEMM_K_FRACTION, lora_ext_k,
                                            lora_in_gemm_default)
 from test_expert_matmul import GEMM_RTOL, Case, make_case, rng  # noqa: F401  (rng: fixture)
@@ -131,9 +131,10 @@ def check_in_gemm(case: Case, fused: np.ndarray, base: np.ndarray, after: np.nda
     delta_want = ref[folds] - gemm64[folds]
     delta_got = f64 - gemm64[folds]
     drel = np.linalg.norm(delta_got - delta_want) / np.linalg.norm(delta_want)
-    assert drel <= 2 * DELTA_RTOL[fused.dtype], f"delta relative error {drel:.3g}"
-    near = float((ulp_distance(fused[folds], after[folds]) <= 1).mean())
-    assert near >= 0.99, f"only {near:.4f} of the folded values within 1 ulp of the fold after"
+    assert drel <= DELTA_RTOL[fused.dtype], f"delta relative error {drel:.3g}"
+    o, a = fused[folds].astype(np.float64), after[folds].astype(np.float64)
+    arel = np.linalg.norm(o - a) / np.linalg.norm(a)
+    assert arel <= DELTA_RTOL[fused.dtype], f"relative difference to the fold after {arel:.3g}"
 
 
 def _planes(out, pair: bool):
@@ -196,8 +197,7 @@ def test_one_sided_pair_and_zero_scales(rng):
     base = one_sided.run("fast", lora=False)
     out = one_sided.run("fast", lora_in_gemm=True)
     np.testing.assert_array_equal(bits(out[0]), bits(base[0]))
-    zero = dataclasses.replace(case.routes[1],
-                               scale_table=np.zeros_like(case.routes[1].scale_table))
+    zero = case.routes[1].replace(scale_table=np.zeros_like(case.routes[1].scale_table))
     out = dataclasses.replace(case, routes=(zero, zero)).run("fast", lora_in_gemm=True)
     for o, b in zip(out, base):
         np.testing.assert_array_equal(bits(o), bits(b))
