@@ -171,6 +171,13 @@ struct GroupedArgs {
   // rather than in columns [0, R).
   int64_t xa_ld = 0;
   bool xa_by_adapter = false;
+  // The shrink alone (launch_grouped_shrink), xa_by_adapter: a second route
+  // of the same num_loras, n_experts and R (a_pool2, route2) whose xa goes
+  // to xa2 (same layout), computed in the same pass over x; xa2 == nullptr:
+  // none.
+  const void* a_pool2 = nullptr;
+  RouteView route2 = {};
+  void* xa2 = nullptr;
 };
 
 // The simple kernels (moe_lora_gather_bgmv.cu, moe_lora_grouped_down.cu):

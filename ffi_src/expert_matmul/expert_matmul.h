@@ -82,10 +82,13 @@ extern const ExpertGemmKernel kExpertGemmBf16CooperativeLora, kExpertGemmBf16Pin
     kExpertGemmF16CooperativeLora, kExpertGemmF16PingpongLora;
 
 // The *Lora kernels' second operand pair for one weight set and its route
-// (lora_ext.cu): zeroes fold.xa (xa_ext [te, L * R]; fold.xa_ld = L * R and
-// fold.xa_by_adapter), packs b_ext [min(n_experts, num_experts), L * R, N]
-// and runs the fast grouped fold's shrink into xa_ext. The caller checks
+// (lora_ext.cu). pack_lora_ext zeroes fold.xa (xa_ext [te, L * R];
+// fold.xa_ld = L * R and fold.xa_by_adapter) and packs b_ext
+// [min(n_experts, num_experts), L * R, N]; shrink_lora_ext then runs the
+// fast grouped fold's shrink into xa_ext (and, with fold.xa2, a second
+// route's into its xa_ext in the same pass). The caller checks
 // fast::grouped_split_fits(fold).
-cudaError_t prepare_lora_ext(const GroupedArgs& fold, void* b_ext, cudaStream_t stream);
+cudaError_t pack_lora_ext(const GroupedArgs& fold, void* b_ext, cudaStream_t stream);
+cudaError_t shrink_lora_ext(const GroupedArgs& fold, cudaStream_t stream);
 
 }  // namespace moelora

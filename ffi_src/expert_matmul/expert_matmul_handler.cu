@@ -139,6 +139,8 @@ ffi::Error ExpertMatmulCudaImpl(
                    offsets.typed_data(), num_weights, E, M, K, N, scratch->untyped_data(),
                    int64_t(scratch->size_bytes()), int(sm_count)};
   cudaError_t err = cudaSuccess;
+  GroupedArgs shrinks[kExpertMatmulMaxWeights];
+  int64_t n_shrinks = 0;
   for (int64_t i = 0; i < num_weights && in_gemm && err == cudaSuccess; ++i) {
     if (!has_lora[i]) continue;
     const int64_t ext_k = routes[i].num_loras * dims[i].R;
@@ -148,12 +150,25 @@ ffi::Error ExpertMatmulCudaImpl(
     f.xa_by_adapter = true;
     if (!fast::grouped_split_fits(f)) return invalid("lora_in_gemm: the route's shapes do not fit");
     void* b_ext = static_cast<char*>(scratch->untyped_data()) + b_ext_at[i];
-    err = prepare_lora_ext(f, b_ext, stream);
+    err = pack_lora_ext(f, b_ext, stream);
     g.xa_ext[i] = xa_plane;
     g.b_ext[i] = b_ext;
     g.ext_k[i] = ext_k;
     g.ext_experts[i] = std::min(routes[i].n_experts, E);
+    // gate and up with tables of one shape and one rank: one pass over x
+    GroupedArgs* first = n_shrinks == 1 ? &shrinks[0] : nullptr;
+    if (first != nullptr && first->xa2 == nullptr && first->R == f.R &&
+        first->route.num_loras == f.route.num_loras &&
+        first->route.n_experts == f.route.n_experts && 2 * f.R <= kMaxRank) {
+      first->a_pool2 = f.a_pool;
+      first->route2 = f.route;
+      first->xa2 = f.xa;
+    } else {
+      shrinks[n_shrinks++] = f;
+    }
   }
+  for (int64_t j = 0; j < n_shrinks && err == cudaSuccess; ++j)
+    err = shrink_lora_ext(shrinks[j], stream);
   if (err == cudaSuccess) err = kernel->run(g, stream);
   for (int64_t i = 0; i < num_weights && !in_gemm && err == cudaSuccess; ++i)
     if (has_lora[i]) err = launch_grouped_fast(fold_args(i, xa->untyped_data()), stream);

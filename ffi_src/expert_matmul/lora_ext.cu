@@ -4,8 +4,8 @@
 //
 //   xa_ext [M, ext_k]: row r's round(x[r] . A^T) in the R columns of its
 //     table row l (the fast grouped fold's shrink, prefill_shrink.cu, writing
-//     to column l * R of a row ext_k wide); zero where the row folds nothing
-//     and in the other adapters' columns.
+//     to column l * R of a row ext_k wide; gate and up in one pass over x);
+//     zero where the row folds nothing and in the other adapters' columns.
 //   b_ext [e_eff, ext_k, N]: expert e's rows l * R + r hold
 //     round(scale[l, e] * b_pool[b_table[l, e]][:, r]), the rows of pairs that
 //     resolve_pair rejects are zero. e_eff = min(n_experts, E); experts with
@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kPackThreads)
 
 }  // namespace
 
-cudaError_t prepare_lora_ext(const GroupedArgs& f, void* b_ext, cudaStream_t stream) {
+cudaError_t pack_lora_ext(const GroupedArgs& f, void* b_ext, cudaStream_t stream) {
   const int64_t ext_k = f.route.num_loras * f.R;
   if (f.xa_ld != ext_k || !f.xa_by_adapter) return cudaErrorInvalidValue;
   if (cudaError_t err = cudaMemsetAsync(f.xa, 0, size_t(f.te * ext_k) * 2, stream);
@@ -70,9 +70,12 @@ cudaError_t prepare_lora_ext(const GroupedArgs& f, void* b_ext, cudaStream_t str
   else
     pack_b_ext<DType::kF16><<<grid, kPackThreads, 0, stream>>>(b_pool, f.route, f.expert_offsets,
                                                                  f.N, int(f.R), b);
-  if (cudaError_t err = cudaPeekAtLastError(); err != cudaSuccess) return err;
+  return cudaPeekAtLastError();
+}
+
+cudaError_t shrink_lora_ext(const GroupedArgs& f, cudaStream_t stream) {
   const int64_t lo = std::max<int64_t>(0, f.row_offset), hi = std::min<int64_t>(f.row_end, f.te);
-  if (hi <= lo) return cudaSuccess;
+  if (hi <= lo || std::min<int64_t>(f.route.n_experts, f.num_experts) <= 0) return cudaSuccess;
   return fast::launch_grouped_shrink(f, stream);
 }
 

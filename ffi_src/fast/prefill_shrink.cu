@@ -1,7 +1,8 @@
 // Prefill fold, first launch: the shrink xa = round(x . A) of every row of
 // the window that folds, written to the handler's xa scratch [te, R] (or, for
 // the LoRA inside expert_matmul's GEMM, to the R columns of the row's table
-// row in rows xa_ld wide: GroupedArgs::xa_by_adapter).
+// row in rows xa_ld wide: GroupedArgs::xa_by_adapter; there a second route
+// of the same tables, GroupedArgs::xa2, shares the pass over x: gate and up).
 // prefill_expand.cu then folds round(xa . B) into base_out.
 //
 // A "batch" is up to MR = 8 * NRG rows of one tile that fold with one pair
@@ -75,10 +76,12 @@ __device__ __forceinline__ void cp_async_wait_dyn(int n) {
 }
 
 // xa[q, :] = round(x[xrow[q]] . A[j]) for the batch's nrows rows (shared
-// memory). Every thread of the CTA calls it; it ends with a barrier.
+// memory), ranks j < R: rows j < R0 of A, then rows j - R0 of A1 (two
+// routes' blocks in one pass; A1 = A, R0 = R for one). Every thread of the
+// CTA calls it; it ends with a barrier.
 template <DType D, int NRG>
 __device__ void cell_shrink(char* smem, const CellLayout& lay, int nrows, const uint16_t* x,
-                            const uint16_t* A, int64_t K, int R) {
+                            const uint16_t* A, const uint16_t* A1, int R0, int64_t K, int R) {
   constexpr int SP = NRG >= 8 ? 1 : 8 / NRG;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
   const int* s_xrow = reinterpret_cast<const int*>(smem + lay.off_xrow);
@@ -96,7 +99,8 @@ __device__ void cell_shrink(char* smem, const CellLayout& lay, int nrows, const 
     for (int ri = tid; ri < ncopy; ri += kCellThreads) {
       const uint16_t* src = nullptr;
       if (ri < rp) {
-        if (p0 + ri < R) src = A + int64_t(p0 + ri) * K;
+        const int j = p0 + ri;
+        if (j < R) src = j < R0 ? A + int64_t(j) * K : A1 + int64_t(j - R0) * K;
       } else if (ri - rp < nrows) {
         src = x + int64_t(s_xrow[ri - rp]) * K;
       }
@@ -180,17 +184,18 @@ __device__ void cell_shrink(char* smem, const CellLayout& lay, int nrows, const 
   }
 }
 
-// Store the batch's xa rows (shared memory) to the scratch rows orow[q], row
-// stride ld, from column col.
+// Store ranks [rank0, rank0 + R) of the batch's xa rows (shared memory) to
+// the scratch rows orow[q], row stride ld, from column col.
 __device__ __forceinline__ void store_xa(const char* smem, const CellLayout& lay, int nrows,
-                                         uint16_t* xa_out, int R, int64_t ld, int64_t col) {
+                                         uint16_t* xa_out, int R, int64_t ld, int64_t col,
+                                         int rank0 = 0) {
   const uint16_t* xa = reinterpret_cast<const uint16_t*>(smem + lay.off_xa);
   const int* s_orow = reinterpret_cast<const int*>(smem + lay.off_orow);
   const int vecs = R / 8;  // R % 8 == 0: 16-byte pieces per row
   for (int i = threadIdx.x; i < nrows * vecs; i += blockDim.x) {
     const int q = i / vecs, v = i - q * vecs;
     *reinterpret_cast<uint4*>(xa_out + int64_t(s_orow[q]) * ld + col + 8 * v) =
-        *reinterpret_cast<const uint4*>(xa + q * lay.xs + 8 * v);
+        *reinterpret_cast<const uint4*>(xa + q * lay.xs + rank0 + 8 * v);
   }
 }
 
@@ -205,7 +210,9 @@ __global__ void __launch_bounds__(kCellThreads, 2) grouped_shrink_kernel(const G
   // for this grid's end (griddepcontrol.wait) before it reads xa.
   asm volatile("griddepcontrol.launch_dependents;");
   if (!cta_offsets_well_formed(a.expert_offsets, a.num_experts, a.te)) return;  // uniform
-  const CellLayout lay(NRG, int(a.R), stages);
+  // a second route (a.xa2): its ranks follow the first's in every pass
+  const bool two = a.xa2 != nullptr;
+  const CellLayout lay(NRG, int(two ? 2 * a.R : a.R), stages);
   const int tid = threadIdx.x, lane = tid & 31;
   const int64_t lo = max(int64_t(0), a.row_offset), hi = min(a.row_end, a.te);
   const int E = prm.e_eff, R = int(a.R);
@@ -287,8 +294,10 @@ __global__ void __launch_bounds__(kCellThreads, 2) grouped_shrink_kernel(const G
       const int cur = __reduce_min_sync(0xffffffffu, min(m0, m1));
       if (cur == INT_MAX) break;
       prev = cur;
-      Pair pair;
-      if (!resolve_pair(rt, cur, e, &pair)) continue;
+      Pair pair, pair2;
+      const bool fold1 = resolve_pair(rt, cur, e, &pair);
+      const bool fold2 = two && resolve_pair(a.route2, cur, e, &pair2);
+      if (!fold1 && !fold2) continue;
       const unsigned b0 = __ballot_sync(0xffffffffu, v0 == cur);
       const unsigned b1 = __ballot_sync(0xffffffffu, v1 == cur);
       const int nrows = __popc(b0) + __popc(b1);
@@ -303,10 +312,17 @@ __global__ void __launch_bounds__(kCellThreads, 2) grouped_shrink_kernel(const G
         }
       }
       __syncthreads();
-      const uint16_t* A = static_cast<const uint16_t*>(a.a_pool) + int64_t(pair.a) * R * a.K;
-      cell_shrink<D, NRG>(smem, lay, nrows, x, A, a.K, R);
-      store_xa(smem, lay, nrows, xa_out, R, a.xa_ld > 0 ? a.xa_ld : R,
-               a.xa_by_adapter ? int64_t(cur) * R : 0);
+      // a route whose pair does not fold reads the other's block (finite
+      // values) and stores nothing
+      const uint16_t* A1 =
+          fold1 ? static_cast<const uint16_t*>(a.a_pool) + int64_t(pair.a) * R * a.K : nullptr;
+      const uint16_t* A2 =
+          fold2 ? static_cast<const uint16_t*>(a.a_pool2) + int64_t(pair2.a) * R * a.K : A1;
+      if (!fold1) A1 = A2;
+      cell_shrink<D, NRG>(smem, lay, nrows, x, A1, A2, R, a.K, two ? 2 * R : R);
+      const int64_t ld = a.xa_ld > 0 ? a.xa_ld : R, col = a.xa_by_adapter ? int64_t(cur) * R : 0;
+      if (fold1) store_xa(smem, lay, nrows, xa_out, R, ld, col);
+      if (fold2) store_xa(smem, lay, nrows, static_cast<uint16_t*>(a.xa2), R, ld, col, R);
       __syncthreads();  // s_xrow, s_orow and xa are rewritten by the next pass
     }
     __syncthreads();  // s_l and s_tok are rewritten by the next tile
@@ -320,8 +336,9 @@ cudaError_t grouped_shrink_nrg(const GroupedArgs& a, cudaStream_t stream) {
   prm.a = a;
   const int64_t lo = std::max<int64_t>(0, a.row_offset), hi = std::min<int64_t>(a.row_end, a.te);
   prm.e_eff = int(std::min<int64_t>(a.route.n_experts, a.num_experts));
-  const int stages = CellLayout::stages_for(NRG, int(a.R));
-  const CellLayout lay(NRG, int(a.R), stages);
+  const int ranks = int(a.xa2 != nullptr ? 2 * a.R : a.R);  // per pass over x
+  const int stages = CellLayout::stages_for(NRG, ranks);
+  const CellLayout lay(NRG, ranks, stages);
   auto kernel = grouped_shrink_kernel<D, NRG>;
   if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(kernel), lay.total);
       err != cudaSuccess)
@@ -351,13 +368,15 @@ cudaError_t grouped_shrink_nrg(const GroupedArgs& a, cudaStream_t stream) {
 // 16-row tiles for one more pass over x (H200, T = 4096, 4 adapters: 1-15 %
 // off each fold). The caller checks grouped_split_fits and that the window
 // [max(0, row_offset), min(row_end, te)) and min(route.n_experts,
-// num_experts) are not empty.
+// num_experts) are not empty. With a second route (a.xa2) the ranks of a
+// pass are both routes' (2 R): x is read once for both.
 cudaError_t launch_grouped_shrink(const GroupedArgs& a, cudaStream_t stream) {
   const bool bf16 = a.dtype == DType::kBf16;
-  if (a.R <= 16)
+  const int64_t ranks = a.xa2 != nullptr ? 2 * a.R : a.R;
+  if (ranks <= 16)
     return bf16 ? grouped_shrink_nrg<DType::kBf16, 8>(a, stream)
                 : grouped_shrink_nrg<DType::kF16, 8>(a, stream);
-  if (a.R <= 64)
+  if (ranks <= 64)
     return bf16 ? grouped_shrink_nrg<DType::kBf16, 4>(a, stream)
                 : grouped_shrink_nrg<DType::kF16, 4>(a, stream);
   return bf16 ? grouped_shrink_nrg<DType::kBf16, 2>(a, stream)
