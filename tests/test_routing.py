@@ -34,8 +34,8 @@ def spec_route_multi(slot: int, installed: list[bool], has: bool) -> Route:
     return Route.FOLD if slot < len(installed) and installed[slot] else Route.REFUSE
 
 
-def seed_host_map(cu: list[int], slots: list[int]):
-    """The seed's prefill map as a plain loop (None on its reject cases)."""
+def spec_host_map(cu: list[int], slots: list[int]):
+    """The prefill map's rules as a plain loop (None on the inputs they reject)."""
     if len(cu) < 2 or len(slots) != len(cu) - 1 or cu[0] != 0:
         return None
     for s, e in zip(cu[:-1], cu[1:]):
@@ -320,10 +320,10 @@ def prefill_batch(draw, valid_only=False):
 
 @SETTINGS
 @given(batch=prefill_batch())
-def test_host_map_matches_seed_rules(batch):
+def test_host_map_matches_the_spec_loop(batch):
     cu, slots = batch
     got = jm.build_moe_row_adapter_host(cu, slots)
-    want = seed_host_map(cu, slots)
+    want = spec_host_map(cu, slots)
     if want is None:
         assert got is None
     else:
@@ -448,7 +448,7 @@ def test_traced_map_invalid(cu, slots, n, err):
 # decode maps
 # --------------------------------------------------------------------------
 
-def seed_decode(slots, padded_n, active, has):
+def spec_decode(slots, padded_n, active, has):
     out = []
     for i in range(padded_n):
         if i < len(slots) and spec_route(slots[i], active, has) == Route.FOLD:
@@ -458,7 +458,7 @@ def seed_decode(slots, padded_n, active, has):
     return out
 
 
-def seed_decode_multi(slots, padded_n, installed, has):
+def spec_decode_multi(slots, padded_n, installed, has):
     out = []
     for i in range(padded_n):
         if i < len(slots) and spec_route_multi(slots[i], installed, has) == Route.FOLD:
@@ -471,11 +471,11 @@ def seed_decode_multi(slots, padded_n, installed, has):
 @SETTINGS
 @given(slots=st.lists(slots_st, min_size=0, max_size=8), pad=st.integers(0, 4),
        active=st.integers(-1, 9), has=st.booleans())
-def test_decode_map_matches_seed_under_jit(slots, pad, active, has):
+def test_decode_map_matches_the_spec_loop_under_jit(slots, pad, active, has):
     if not has:
         active = -1  # the convention: no MoE LoRA means no active adapter
     padded_n = len(slots) + pad
-    want = seed_decode(slots, padded_n, active, has)
+    want = spec_decode(slots, padded_n, active, has)
     fn = jax.jit(jm.build_moe_row_adapter_decode, static_argnums=1)
     got = fn(jnp.array(slots, jnp.int32), padded_n, jnp.int32(active), jnp.bool_(has))
     assert got.shape == (padded_n,) and got.dtype == jnp.int32
@@ -500,7 +500,7 @@ def test_decode_map_each_row_kind():
        installed=installed_st, has=st.booleans())
 def test_decode_map_multi_matches_spec_under_jit(slots, pad, installed, has):
     padded_n = len(slots) + pad
-    want = seed_decode_multi(slots, padded_n, installed, has)
+    want = spec_decode_multi(slots, padded_n, installed, has)
     fn = jax.jit(jm.build_moe_row_adapter_decode_multi, static_argnums=1)
     got = fn(jnp.array(slots, jnp.int32), padded_n, jnp.array(installed, jnp.bool_),
              jnp.bool_(has))
@@ -525,8 +525,8 @@ def test_decode_maps_compile_once_no_callback():
         active = np.int32(rng.integers(0, 6))
         inst = rng.random(6) < 0.6
         single, multi = jf(jnp.asarray(slots), jnp.asarray(active), jnp.asarray(inst))
-        np.testing.assert_array_equal(single, seed_decode(slots.tolist(), 16, int(active), True))
-        np.testing.assert_array_equal(multi, seed_decode_multi(slots.tolist(), 16, inst.tolist(),
+        np.testing.assert_array_equal(single, spec_decode(slots.tolist(), 16, int(active), True))
+        np.testing.assert_array_equal(multi, spec_decode_multi(slots.tolist(), 16, inst.tolist(),
                                                                True))
     assert len(traces) == 1
     assert_pure_device(f, jnp.asarray(slots), jnp.asarray(active), jnp.asarray(inst))
