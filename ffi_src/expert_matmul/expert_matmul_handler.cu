@@ -105,6 +105,22 @@ ffi::Error ExpertMatmulCudaImpl(
   Dims dims[kExpertMatmulMaxWeights];
   int64_t b_ext_at[kExpertMatmulMaxWeights] = {};
   const auto xad = xa->dimensions();
+  // weight set i's grouped fold over its GEMM output, its shrink into xa_rows
+  auto fold_args = [&](int64_t i, void* xa_rows) {
+    GroupedArgs f{dtype, x.untyped_data(), outs[i], xa_rows, offsets.typed_data(),
+                  sorted_token_ids.typed_data(), row_adapter.typed_data(), has_row_adapter != 0,
+                  has_row_adapter ? int64_t(row_adapter.element_count()) : 0,
+                  rb[i].a_pool.untyped_data(), rb[i].b_pool.untyped_data(), routes[i], E, M, K, N,
+                  dims[i].R, 0, M, false, nullptr, M, pdl != 0};
+    if (in_gemm) {  // xa_rows: weight set i's plane of xa_ext
+      f.xa_ld = routes[i].num_loras * dims[i].R;
+      f.xa_by_adapter = true;
+    }
+    return f;
+  };
+  auto xa_plane = [&](int64_t i) {
+    return static_cast<void*>(static_cast<char*>(xa->untyped_data()) + i * M * xad[2] * 2);
+  };
   for (int64_t i = 0; i < num_weights; ++i) {
     if (!has_lora[i]) continue;
     if (auto e = check_route_for(x, N, dt, rb[i].a_pool, rb[i].b_pool, rb[i].a_table,
@@ -119,20 +135,13 @@ ffi::Error ExpertMatmulCudaImpl(
     const int64_t ext_k = routes[i].num_loras * dims[i].R;
     if (xad.size() != 3 || xad[0] != num_weights || xad[1] != M || xad[2] < ext_k)
       return invalid("xa scratch shape: [num_weights, M, >= L * R] with lora_in_gemm");
+    if (!fast::grouped_split_fits(fold_args(i, xa_plane(i))))
+      return invalid("lora_in_gemm: the route's shapes do not fit the shrink");
     b_ext_at[i] = need;
     need += align_scratch(std::min(routes[i].n_experts, E) * ext_k * N * 2);
   }
   if (int64_t(scratch->size_bytes()) < need) return invalid("scratch buffer too small");
 
-  // The grouped fold of weight set i over its GEMM output, its shrink into xa.
-  auto fold_args = [&](int64_t i, void* xa_rows) {
-    return GroupedArgs{dtype, x.untyped_data(), outs[i], xa_rows, offsets.typed_data(),
-                       sorted_token_ids.typed_data(), row_adapter.typed_data(),
-                       has_row_adapter != 0,
-                       has_row_adapter ? int64_t(row_adapter.element_count()) : 0,
-                       rb[i].a_pool.untyped_data(), rb[i].b_pool.untyped_data(), routes[i], E, M,
-                       K, N, dims[i].R, 0, M, false, nullptr, M, pdl != 0};
-  };
   ExpertGemmArgs g{x.untyped_data(),
                    {w0.untyped_data(), num_weights > 1 ? w1.untyped_data() : nullptr},
                    {outs[0], outs[1]},
@@ -143,17 +152,12 @@ ffi::Error ExpertMatmulCudaImpl(
   int64_t n_shrinks = 0;
   for (int64_t i = 0; i < num_weights && in_gemm && err == cudaSuccess; ++i) {
     if (!has_lora[i]) continue;
-    const int64_t ext_k = routes[i].num_loras * dims[i].R;
-    char* xa_plane = static_cast<char*>(xa->untyped_data()) + i * M * xad[2] * 2;
-    GroupedArgs f = fold_args(i, xa_plane);
-    f.xa_ld = ext_k;
-    f.xa_by_adapter = true;
-    if (!fast::grouped_split_fits(f)) return invalid("lora_in_gemm: the route's shapes do not fit");
+    const GroupedArgs f = fold_args(i, xa_plane(i));
     void* b_ext = static_cast<char*>(scratch->untyped_data()) + b_ext_at[i];
     err = pack_lora_ext(f, b_ext, stream);
-    g.xa_ext[i] = xa_plane;
+    g.xa_ext[i] = f.xa;
     g.b_ext[i] = b_ext;
-    g.ext_k[i] = ext_k;
+    g.ext_k[i] = f.xa_ld;
     g.ext_experts[i] = std::min(routes[i].n_experts, E);
     // gate and up with tables of one shape and one rank: one pass over x
     GroupedArgs* first = n_shrinks == 1 ? &shrinks[0] : nullptr;
