@@ -259,3 +259,20 @@ def test_block_prefill_folds_in_the_gemm():
     want = np.asarray(jax.jit(lambda x, i: block(x, i, impl="simple"))(x, ids), np.float64)
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert rel <= 2e-2, rel
+
+
+@GPU
+def test_gate_and_up_of_different_ranks(rng):
+    """Gate and up routes of different ranks (and table shapes) take a shrink
+    each instead of one shared pass: the same criteria per weight set."""
+    case = make_case(rng, num_loras=2, pair=True, E=5, K=256, N=96, M=300, ranks=(8, 16),
+                     max_rank=16)
+    up = make_route(rng, dtype=jnp.bfloat16, num_loras=3, n_experts=4, k_in=256, n_out=96,
+                    ranks=(8,), max_rank=8)
+    ra = np.where(case.row_adapter >= 0, case.row_adapter % 2, case.row_adapter).astype(np.int32)
+    case = dataclasses.replace(case, routes=(case.routes[0], up), row_adapter=ra)
+    base = case.run("fast", lora=False)
+    fused = case.run("fast", lora_in_gemm=True)
+    after = case.run("fast", lora_in_gemm=False, gather_max_rows=0)
+    for i in range(2):
+        check_in_gemm(case, fused[i], base[i], after[i], case.ws[i], case.routes[i])
