@@ -44,6 +44,11 @@ inline constexpr const char* kExpertMatmulTarget = "expert_matmul";
 inline constexpr int kExpertMatmulAlign = 8;
 // Byte alignment of each array carved out of the custom call's scratch buffer.
 inline constexpr int64_t kExpertMatmulScratchAlign = 256;
+// `bytes` rounded up to kExpertMatmulScratchAlign.
+inline constexpr int64_t expert_matmul_scratch_align(int64_t bytes) {
+  return (bytes + kExpertMatmulScratchAlign - 1) / kExpertMatmulScratchAlign *
+         kExpertMatmulScratchAlign;
+}
 // Weight sets one call multiplies with the same rows (gate and up).
 inline constexpr int kExpertMatmulMaxWeights = 2;
 // Values of expert_matmul's `schedule` attribute: the CUTLASS kernel schedule

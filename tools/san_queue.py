@@ -112,17 +112,22 @@ def claim(directory: str | os.PathLike, nodeid: str, owner: str) -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session: pytest.Session) -> bool | None:
+    """With ``--claim``: :func:`run_claimed` (pytest's hook argument)."""
+    return run_claimed(session)
+
+
+def run_claimed(run) -> bool | None:
     """With ``--claim``: run the tests this process claims, in order, claiming
     each next test before the current one runs (pytest tears fixtures down by
-    the next test that runs)."""
-    directory = session.config.getoption("--claim")
-    if directory is None or session.config.option.collectonly:
+    the next test that runs). ``run``: pytest's object of the whole test run."""
+    directory = run.config.getoption("--claim")
+    if directory is None or run.config.option.collectonly:
         return None
-    if session.testsfailed and not session.config.option.continue_on_collection_errors:
-        raise session.Interrupted(f"{session.testsfailed} errors during collection")
+    if run.testsfailed and not run.config.option.continue_on_collection_errors:
+        raise run.Interrupted(f"{run.testsfailed} errors during collection")
     Path(directory).mkdir(parents=True, exist_ok=True)
-    owner = session.config.getoption("--shard") or "0/1"
-    items = session.items
+    owner = run.config.getoption("--shard") or "0/1"
+    items = run.items
 
     def next_claimed(j: int) -> int:
         while j < len(items) and not claim(directory, items[j].nodeid, owner):
@@ -134,10 +139,10 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
         j = next_claimed(i + 1)
         items[i].config.hook.pytest_runtest_protocol(
             item=items[i], nextitem=items[j] if j < len(items) else None)
-        if session.shouldfail:
-            raise session.Failed(session.shouldfail)
-        if session.shouldstop:
-            raise session.Interrupted(session.shouldstop)
+        if run.shouldfail:
+            raise run.Failed(run.shouldfail)
+        if run.shouldstop:
+            raise run.Interrupted(run.shouldstop)
         i = j
     return True
 

@@ -43,10 +43,6 @@ constexpr const ExpertGemmKernel* kAllKernels[] = {
     &kExpertGemmF16Pingpong,         &kExpertGemmBf16CooperativeLora, &kExpertGemmBf16PingpongLora,
     &kExpertGemmF16CooperativeLora,  &kExpertGemmF16PingpongLora};
 
-int64_t align_scratch(int64_t v) {
-  return (v + kExpertMatmulScratchAlign - 1) / kExpertMatmulScratchAlign * kExpertMatmulScratchAlign;
-}
-
 struct RouteBuffers {
   ffi::AnyBuffer a_pool, b_pool;
   ffi::Buffer<ffi::S32> a_table, b_table;
@@ -138,7 +134,7 @@ ffi::Error ExpertMatmulCudaImpl(
     if (!fast::grouped_split_fits(fold_args(i, xa_plane(i))))
       return invalid("lora_in_gemm: the route's shapes do not fit the shrink");
     b_ext_at[i] = need;
-    need += align_scratch(std::min(routes[i].n_experts, E) * ext_k * N * 2);
+    need += expert_matmul_scratch_align(std::min(routes[i].n_experts, E) * ext_k * N * 2);
   }
   if (int64_t(scratch->size_bytes()) < need) return invalid("scratch buffer too small");
 

@@ -19,10 +19,6 @@ template <DType D> struct ElementOf;
 template <> struct ElementOf<DType::kBf16> { using type = cutlass::bfloat16_t; };
 template <> struct ElementOf<DType::kF16> { using type = cutlass::half_t; };
 
-inline int64_t align_up(int64_t v) {
-  return (v + kExpertMatmulScratchAlign - 1) / kExpertMatmulScratchAlign * kExpertMatmulScratchAlign;
-}
-
 // Byte offsets of the arrays carved out of the scratch buffer (ptr_c,
 // stride_c and the per-group alphas are empty for a config without C; the
 // second operand pair's arrays for a config without it, kLoraK).
@@ -96,7 +92,7 @@ template <class C>
 ScratchLayout scratch_layout(int64_t groups, int sm_count) {
   ScratchLayout l{};
   int64_t at = 0;
-  auto take = [&](int64_t bytes) { const int64_t here = at; at = align_up(at + bytes); return here; };
+  auto take = [&](int64_t bytes) { const int64_t here = at; at = expert_matmul_scratch_align(at + bytes); return here; };
   const int64_t c_groups = C::kHasC ? groups : 0;
   l.shapes = take(groups * int64_t(sizeof(typename C::Shape)));
   l.ptr_a = take(groups * int64_t(sizeof(void*)));

@@ -44,9 +44,7 @@ import dataclasses
 import json
 import math
 import re
-import statistics
 import sys
-import time
 from typing import Any
 
 import jax
@@ -58,6 +56,7 @@ from jax.sharding import Mesh
 from jax_moelora.nnx import MoEBlock, shard_block
 from jax_moelora.ops.dispatch import capacity
 from jax_moelora.ops.sharding import put_global
+from jax_moelora.tools.scaling import median_seconds
 
 __all__ = ["Hardware", "ModelShape", "SHAPES", "VARIANTS", "dispatch_bytes", "step_time", "model_table",
            "hlo_collective_bytes", "run_block_cases", "main"]
@@ -329,17 +328,6 @@ def _steps(block: MoEBlock, reps: int):
     return one, jax.jit(chained)
 
 
-def _median_s(fn, args, runs: int) -> float:
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _sent_rows(topk_ids: np.ndarray, devices: int, num_experts: int) -> float:
     """Rows a device sends to others, the most over the devices (the
     ragged exchange's bytes): tokens split evenly, in order."""
@@ -364,7 +352,7 @@ def _measure(shape: ModelShape, ref: MoEBlock, devices: int, tokens: int, varian
     state = nnx.state(block)
     out = one(state, *args)
     hlo = one.lower(state, *args).compile().as_text()
-    t = _median_s(chained, (state, *args), runs) / reps
+    t = median_seconds(chained, (state, *args), runs, warmup=2) / reps
     row = {"devices": devices, "tokens": tokens, "variant": variant, "t_us": t * 1e6,
            "collective_bytes": hlo_collective_bytes(hlo)}
     if devices > 1:  # against one device running the owners' expert path

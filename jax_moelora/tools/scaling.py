@@ -97,16 +97,22 @@ def _repeat(fold: Callable, reps: int) -> Callable:
     return jax.jit(run)
 
 
-def _time(fn: Callable, args, runs: int, reps: int) -> float:
-    """Median seconds per fold."""
-    for _ in range(3):
+def median_seconds(fn: Callable, args, runs: int, warmup: int) -> float:
+    """Median wall seconds of ``fn(*args)`` over ``runs`` calls, after
+    ``warmup`` untimed ones."""
+    for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) / reps
+    return statistics.median(times)
+
+
+def _time(fn: Callable, args, runs: int, reps: int) -> float:
+    """Median seconds per fold."""
+    return median_seconds(fn, args, runs, warmup=3) / reps
 
 
 def _place(tree, mesh: Mesh, spec_tree):
