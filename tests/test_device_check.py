@@ -481,3 +481,13 @@ def test_a_step_that_fails_leaves_the_next_steps_running(tmp_path):
     assert any("sanruns failed: ValueError" in ln for ln in lines)
     assert any(ln.endswith("] memcheck done") for ln in lines)
     assert lines[-1] == "steps rc=0"
+
+
+def test_the_suite_cuts_a_test_at_its_timeout_where_pytest_timeout_is_installed(monkeypatch):
+    """A kernel that hangs fails its own test (pytest-timeout's thread method
+    ends the process that hangs); without the plugin, or with 0, no arguments."""
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name: object())
+    assert gpu_check.per_test_timeout(240) == ["--timeout=240", "--timeout-method=thread"]
+    assert gpu_check.per_test_timeout(0) == []
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name: None)
+    assert gpu_check.per_test_timeout(240) == []

@@ -38,6 +38,7 @@ sanitizer pass over the suite can be split over several runs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import signal
@@ -197,11 +198,21 @@ def timing(h: Harness, a: argparse.Namespace) -> None:
                       a.prefill_s, log="timing_prefill")
 
 
+def per_test_timeout(seconds: float) -> list[str]:
+    """pytest-timeout's arguments that end a test after ``seconds`` (0: never),
+    where the plugin is installed: a kernel that hangs fails its test and
+    leaves the call's time to the others."""
+    if seconds <= 0 or importlib.util.find_spec("pytest_timeout") is None:
+        return []
+    return [f"--timeout={seconds:g}", "--timeout-method=thread"]
+
+
 @step("suite")
 def suite(h: Harness, a: argparse.Namespace) -> None:
-    """The test suite (8 workers) with ``--tests``."""
-    _command_step(h, "suite", [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "8",
-                               "-rf", *words(a.tests)], a.suite_s)
+    """The test suite (8 workers) with ``--tests``, each test cut at ``--test-timeout``."""
+    _command_step(h, "suite", [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               *per_test_timeout(a.test_timeout), "-n", "8", "-rf",
+                               *words(a.tests)], a.suite_s)
 
 
 @step("soak")
@@ -411,6 +422,9 @@ def _add_step_options(p: argparse.ArgumentParser) -> None:
                    help="timeout (s); 0 skips the prefill timing")
     g.add_argument("--tests", default="", help="the suite's pytest arguments")
     g.add_argument("--suite-s", type=float, default=300, help="timeout (s)")
+    g.add_argument("--test-timeout", type=float, default=240,
+                   help="one test's timeout (s) in the suite, where pytest-timeout is "
+                   "installed; 0: none")
     g.add_argument("--fuzz-examples", type=int, default=100, help="examples per fuzz test")
     g.add_argument("--fuzz-n", type=int, default=8, help="fuzz workers")
     g.add_argument("--fuzz-s", type=float, default=300, help="timeout (s)")
