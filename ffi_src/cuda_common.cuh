@@ -178,6 +178,11 @@ struct GroupedArgs {
   const void* a_pool2 = nullptr;
   RouteView route2 = {};
   void* xa2 = nullptr;
+  // The shrink alone: cells (l * n_experts + e) of route (skip_cells) and
+  // route2 (skip_cells2) whose nonzero entry leaves their rows out of xa, or
+  // nullptr: none (expert_matmul folds those rows after its GEMM, lora_ext.cu).
+  const int32_t* skip_cells = nullptr;
+  const int32_t* skip_cells2 = nullptr;
 };
 
 // The simple kernels (moe_lora_gather_bgmv.cu, moe_lora_grouped_down.cu):

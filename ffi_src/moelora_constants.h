@@ -49,6 +49,20 @@ inline constexpr int64_t expert_matmul_scratch_align(int64_t bytes) {
   return (bytes + kExpertMatmulScratchAlign - 1) / kExpertMatmulScratchAlign *
          kExpertMatmulScratchAlign;
 }
+// Scratch of one route folded inside expert_matmul's GEMM (lora_ext.cu),
+// after the GEMM's own: the packed B [min(n_experts, E), L * R, N] (2-byte
+// elements), then the marks of the pairs whose packed B is not finite
+// ([L * n_experts] int32 and one more, set when any is), each rounded up to
+// kExpertMatmulScratchAlign.
+inline constexpr int64_t lora_ext_packed_b_bytes(int64_t L, int64_t n_experts, int64_t E,
+                                                 int64_t R, int64_t N) {
+  return expert_matmul_scratch_align((n_experts < E ? n_experts : E) * L * R * N * 2);
+}
+inline constexpr int64_t lora_ext_scratch_bytes(int64_t L, int64_t n_experts, int64_t E,
+                                                int64_t R, int64_t N) {
+  return lora_ext_packed_b_bytes(L, n_experts, E, R, N) +
+         expert_matmul_scratch_align((L * n_experts + 1) * 4);
+}
 // Weight sets one call multiplies with the same rows (gate and up).
 inline constexpr int kExpertMatmulMaxWeights = 2;
 // Values of expert_matmul's `schedule` attribute: the CUTLASS kernel schedule

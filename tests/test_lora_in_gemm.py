@@ -68,6 +68,27 @@ def test_lora_in_gemm_must_be_a_bool_or_none(rng, bad):
                          impl="jnp", lora_in_gemm=bad)
 
 
+def test_scratch_holds_the_packed_b_and_the_marks():
+    """After the GEMM's own, the scratch holds per route folded inside it the
+    packed B ``[min(n_experts, E), L * R, N]`` (2-byte elements) and
+    ``L * n_experts + 1`` int32 marks, each rounded up to
+    ``EXPERT_MATMUL_SCRATCH_ALIGN`` (the handler's layout, one definition in
+    ``moelora_constants.h``)."""
+    from jax_moelora import _ext
+    from jax_moelora.ops.expert_matmul_ffi import lora_in_gemm_scratch
+
+    align = _ext.EXPERT_MATMUL_SCRATCH_ALIGN
+    assert align == 256
+    route = _route(4, 16)  # 4 table rows, 4 experts, rank 16
+    packed = 3 * 64 * 2048 * 2  # E = 3 < n_experts: the GEMM's 3 experts
+    marks = -(-(4 * 4 + 1) * 4 // align) * align
+    assert lora_in_gemm_scratch([route], 3, 2048) == packed + marks
+    assert lora_in_gemm_scratch([route, None, route], 3, 2048) == 2 * (packed + marks)
+    assert lora_in_gemm_scratch([None], 3, 2048) == 0
+    # w has 5 experts, the tables 4: only the tables' are packed
+    assert lora_in_gemm_scratch([route], 5, 24) == -(-(4 * 64 * 24 * 2) // align) * align + marks
+
+
 @pytest.mark.parametrize("impl", ["cpu", "jnp"])
 def test_other_backends_ignore_it(rng, impl):
     """Only the CUDA kernel folds inside its K loop: the CPU and jnp backends
@@ -276,3 +297,44 @@ def test_gate_and_up_of_different_ranks(rng):
     after = case.run("fast", lora_in_gemm=False, gather_max_rows=0)
     for i in range(2):
         check_in_gemm(case, fused[i], base[i], after[i], case.ws[i], case.routes[i])
+
+
+@GPU
+@HALF
+@pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
+def test_a_pair_whose_packed_b_is_not_finite_keeps_it_to_itself(rng, dtype, poison):
+    """Every row of an expert runs the extension's K steps over all of its
+    packed B, so a NaN or inf in one pair's B slot (or a scale taking
+    ``scale * B`` past the dtype's range) would reach the expert's other rows
+    as ``0 * inf``. The pack marks that pair instead: the other pairs' rows
+    keep the bits they have with a finite slot, the rows that fold nothing
+    keep the GEMM's, and the marked pair's rows are folded after the GEMM:
+    NaN and inf where the fold after the GEMM has them, the rest within the
+    delta tolerance of it."""
+    case = make_case(rng, dtype=dtype, num_loras=3, E=5, K=128, N=96, M=400, ranks=(16,),
+                     max_rank=16)
+    route = case.routes[0]
+    expert, adapter = _rows(case)
+    folds = case.fold_rows(route)
+    table_row = adapter if route.a_table.shape[0] > 1 else np.zeros_like(adapter)
+    slots = np.zeros(case.M, np.int64)
+    slots[folds] = np.asarray(route.b_table)[table_row[folds], expert[folds]]
+    slot = int(slots[np.flatnonzero(folds)[0]])
+    marked = folds & (slots == slot)
+    assert marked.any() and (folds & ~marked).any()
+    b_pool = np.array(route.b_pool)
+    b_pool[slot, 3, 5] = poison
+    bad = dataclasses.replace(case, routes=(route.replace(b_pool=b_pool),))
+    clean = case.run("fast", lora_in_gemm=True)
+    base = case.run("fast", lora=False)
+    got = bad.run("fast", lora_in_gemm=True)
+    after = bad.run("fast", lora_in_gemm=False, gather_max_rows=0)
+    np.testing.assert_array_equal(bits(got[~marked]), bits(clean[~marked]))
+    np.testing.assert_array_equal(bits(got[~folds]), bits(base[~folds]))
+    g, a = got[marked].astype(np.float64), after[marked].astype(np.float64)
+    assert not np.isfinite(a).all()
+    for kind in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(kind(g), kind(a))
+    fin = np.isfinite(a)
+    rel = np.linalg.norm(g[fin] - a[fin]) / np.linalg.norm(a[fin])
+    assert rel <= DELTA_RTOL[got.dtype], rel

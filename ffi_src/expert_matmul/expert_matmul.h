@@ -83,12 +83,18 @@ extern const ExpertGemmKernel kExpertGemmBf16CooperativeLora, kExpertGemmBf16Pin
 
 // The *Lora kernels' second operand pair for one weight set and its route
 // (lora_ext.cu). pack_lora_ext zeroes fold.xa (xa_ext [te, L * R];
-// fold.xa_ld = L * R and fold.xa_by_adapter) and packs b_ext
-// [min(n_experts, num_experts), L * R, N]; shrink_lora_ext then runs the
-// fast grouped fold's shrink into xa_ext (and, with fold.xa2, a second
-// route's into its xa_ext in the same pass). The caller checks
+// fold.xa_ld = L * R and fold.xa_by_adapter) and `marks` ([L * n_experts + 1]
+// int32), then packs b_ext [min(n_experts, num_experts), L * R, N], marking
+// the pairs whose packed B is not finite; shrink_lora_ext then runs the fast
+// grouped fold's shrink into xa_ext (and, with fold.xa2, a second route's
+// into its xa_ext in the same pass), leaving out the cells that
+// fold.skip_cells (the marks) mark. After the GEMM, fold_marked_rows folds
+// the marked pairs' rows into its output as the fold after the GEMM does
+// (nothing when none is marked). The caller checks
 // fast::grouped_split_fits(fold).
-cudaError_t pack_lora_ext(const GroupedArgs& fold, void* b_ext, cudaStream_t stream);
+cudaError_t pack_lora_ext(const GroupedArgs& fold, void* b_ext, int32_t* marks,
+                          cudaStream_t stream);
 cudaError_t shrink_lora_ext(const GroupedArgs& fold, cudaStream_t stream);
+cudaError_t fold_marked_rows(const GroupedArgs& fold, const int32_t* marks, cudaStream_t stream);
 
 }  // namespace moelora

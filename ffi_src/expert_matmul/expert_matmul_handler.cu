@@ -3,7 +3,8 @@
 // route, the fast grouped fold, in one of two places (the lora_in_gemm
 // attribute): after the GEMM, a second pass over its output; or inside the
 // GEMM's K loop (lora_k_mainloop.cuh), after a shrink and a pack of B
-// (lora_ext.cu), the output written once.
+// (lora_ext.cu), the output written once (but for the rows of pairs whose
+// packed B is not finite, which lora_ext.cu folds after the GEMM).
 #include <algorithm>
 #include <initializer_list>
 #include <string>
@@ -90,8 +91,8 @@ ffi::Error ExpertMatmulCudaImpl(
   const ExpertGemmKernel* kernel = gemm_kernel(dtype, schedule, in_gemm);
   if (kernel == nullptr) return invalid("schedule");
   const int64_t groups = num_weights * E;
-  // The GEMM's scratch (sized for every kernel), then the packed B of each
-  // weight set folded inside the GEMM.
+  // The GEMM's scratch (sized for every kernel), then the packed B and the
+  // marks of each weight set folded inside the GEMM (lora_ext_scratch_bytes).
   int64_t need = expert_matmul_scratch_bytes(groups, sm_count);
 
   // Routes are checked before anything is launched.
@@ -99,7 +100,7 @@ ffi::Error ExpertMatmulCudaImpl(
   const bool has_lora[] = {has_lora0 != 0, has_lora1 != 0};
   RouteView routes[kExpertMatmulMaxWeights];
   Dims dims[kExpertMatmulMaxWeights];
-  int64_t b_ext_at[kExpertMatmulMaxWeights] = {};
+  int64_t b_ext_at[kExpertMatmulMaxWeights] = {}, marks_at[kExpertMatmulMaxWeights] = {};
   const auto xad = xa->dimensions();
   // weight set i's grouped fold over its GEMM output, its shrink into xa_rows
   auto fold_args = [&](int64_t i, void* xa_rows) {
@@ -133,8 +134,10 @@ ffi::Error ExpertMatmulCudaImpl(
       return invalid("xa scratch shape: [num_weights, M, >= L * R] with lora_in_gemm");
     if (!fast::grouped_split_fits(fold_args(i, xa_plane(i))))
       return invalid("lora_in_gemm: the route's shapes do not fit the shrink");
+    const int64_t L = routes[i].num_loras, Et = routes[i].n_experts;
     b_ext_at[i] = need;
-    need += expert_matmul_scratch_align(std::min(routes[i].n_experts, E) * ext_k * N * 2);
+    marks_at[i] = need + lora_ext_packed_b_bytes(L, Et, E, dims[i].R, N);
+    need += lora_ext_scratch_bytes(L, Et, E, dims[i].R, N);
   }
   if (int64_t(scratch->size_bytes()) < need) return invalid("scratch buffer too small");
 
@@ -144,13 +147,16 @@ ffi::Error ExpertMatmulCudaImpl(
                    offsets.typed_data(), num_weights, E, M, K, N, scratch->untyped_data(),
                    int64_t(scratch->size_bytes()), int(sm_count)};
   cudaError_t err = cudaSuccess;
-  GroupedArgs shrinks[kExpertMatmulMaxWeights];
+  GroupedArgs shrinks[kExpertMatmulMaxWeights], folds[kExpertMatmulMaxWeights];
   int64_t n_shrinks = 0;
   for (int64_t i = 0; i < num_weights && in_gemm && err == cudaSuccess; ++i) {
     if (!has_lora[i]) continue;
-    const GroupedArgs f = fold_args(i, xa_plane(i));
-    void* b_ext = static_cast<char*>(scratch->untyped_data()) + b_ext_at[i];
-    err = pack_lora_ext(f, b_ext, stream);
+    GroupedArgs& f = folds[i] = fold_args(i, xa_plane(i));
+    char* const base = static_cast<char*>(scratch->untyped_data());
+    void* b_ext = base + b_ext_at[i];
+    int32_t* marks = reinterpret_cast<int32_t*>(base + marks_at[i]);
+    f.skip_cells = marks;
+    err = pack_lora_ext(f, b_ext, marks, stream);
     g.xa_ext[i] = f.xa;
     g.b_ext[i] = b_ext;
     g.ext_k[i] = f.xa_ld;
@@ -163,6 +169,7 @@ ffi::Error ExpertMatmulCudaImpl(
       first->a_pool2 = f.a_pool;
       first->route2 = f.route;
       first->xa2 = f.xa;
+      first->skip_cells2 = f.skip_cells;
     } else {
       shrinks[n_shrinks++] = f;
     }
@@ -170,6 +177,8 @@ ffi::Error ExpertMatmulCudaImpl(
   for (int64_t j = 0; j < n_shrinks && err == cudaSuccess; ++j)
     err = shrink_lora_ext(shrinks[j], stream);
   if (err == cudaSuccess) err = kernel->run(g, stream);
+  for (int64_t i = 0; i < num_weights && in_gemm && err == cudaSuccess; ++i)
+    if (has_lora[i]) err = fold_marked_rows(folds[i], folds[i].skip_cells, stream);
   for (int64_t i = 0; i < num_weights && !in_gemm && err == cudaSuccess; ++i)
     if (has_lora[i]) err = launch_grouped_fast(fold_args(i, xa->untyped_data()), stream);
   if (err != cudaSuccess) return ffi::Error::Internal(std::string("expert_matmul: ") +

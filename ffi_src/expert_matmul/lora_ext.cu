@@ -14,6 +14,14 @@
 // So row r of expert e gains sum_k xa_ext[r, k] b_ext[e, k, :] =
 // round(x A^T) . round(scale B^T) of its own pair and zeros: the grouped
 // fold's delta with the scale applied to B before the product.
+//
+// Every row of expert e multiplies all of b_ext[e], so one value of it that
+// is not finite (a NaN or inf in the pool, or scale * B past the dtype's
+// range) would turn the other pairs' rows, and the rows that fold nothing,
+// into NaN (0 * inf). The pack writes 0 in its place and marks the pair; the
+// shrink leaves the marked pairs' rows out of xa_ext, so the GEMM writes
+// their base; after the GEMM, fold_marked_rows folds them as the fold after
+// the GEMM does. It returns at once when no pair is marked.
 #include <algorithm>
 
 #include "expert_matmul.h"
@@ -23,53 +31,131 @@ namespace moelora {
 namespace {
 
 constexpr int kPackThreads = 256;
+constexpr int kMarkedThreads = 256;
+constexpr int kMarkedWarps = kMarkedThreads / 32;
 
-// Block (x: a chunk of kPackThreads columns, y: table row l, z: expert e);
-// thread n reads b_pool[b][n][0:R] (R / 8 16-byte loads, R % 8 == 0) and
-// writes column n of the R rows of its block (coalesced over n).
+// Block (x: a chunk of kPackThreads columns; y, z: table rows l and experts
+// e, strided by the grid); thread n reads b_pool[b][n][0:R] (R / 8 16-byte
+// loads, R % 8 == 0) and writes column n of the R rows of its block
+// (coalesced over n). A value that is not finite is written as 0 and marks
+// its pair: marks[l * n_experts + e] and marks[L * n_experts] (any).
 // Experts without rows are left unwritten: the GEMM has no tile there.
 template <DType D>
 __global__ void __launch_bounds__(kPackThreads)
-    pack_b_ext(const uint16_t* b_pool, RouteView route, const int32_t* offsets, int64_t N, int R,
-               uint16_t* b_ext) {
+    pack_b_ext(const uint16_t* b_pool, RouteView route, const int32_t* offsets, int64_t e_eff,
+               int64_t N, int R, uint16_t* b_ext, int32_t* marks) {
   const int64_t n = int64_t(blockIdx.x) * kPackThreads + threadIdx.x;
-  const int64_t e = blockIdx.z, ext_k = route.num_loras * R;
-  if (n >= N || offsets[e + 1] <= offsets[e]) return;
-  const int l = int(blockIdx.y);
-  Pair pair;
-  const bool folds = resolve_pair(route, l, e, &pair);
-  uint16_t* dst = b_ext + (e * ext_k + int64_t(l) * R) * N + n;
-  const uint16_t* src = b_pool + (int64_t(folds ? pair.b : 0) * N + n) * R;
-  for (int r0 = 0; r0 < R; r0 += 8) {
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (folds) v = *reinterpret_cast<const uint4*>(src + r0);
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
+  const int64_t ext_k = route.num_loras * R;
+  if (n >= N) return;
+  for (int64_t e = blockIdx.z; e < e_eff; e += gridDim.z) {
+    if (offsets[e + 1] <= offsets[e]) continue;
+    for (int64_t l = blockIdx.y; l < route.num_loras; l += gridDim.y) {
+      Pair pair;
+      const bool folds = resolve_pair(route, l, e, &pair);
+      uint16_t* dst = b_ext + (e * ext_k + l * R) * N + n;
+      const uint16_t* src = b_pool + (int64_t(folds ? pair.b : 0) * N + n) * R;
+      bool bad = false;
+      for (int r0 = 0; r0 < R; r0 += 8) {
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (folds) v = *reinterpret_cast<const uint4*>(src + r0);
+        const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-      dst[int64_t(r0 + j) * N] = folds ? fast::f2h<D>(pair.scale * fast::h2f<D>(h[j])) : uint16_t(0);
+        for (int j = 0; j < 8; ++j) {
+          uint16_t p = folds ? fast::f2h<D>(pair.scale * fast::h2f<D>(h[j])) : uint16_t(0);
+          if (!isfinite(fast::h2f<D>(p))) {
+            p = 0;
+            bad = true;
+          }
+          dst[int64_t(r0 + j) * N] = p;
+        }
+      }
+      if (bad) {  // every writer stores the same 1
+        marks[l * route.n_experts + e] = 1;
+        marks[route.num_loras * route.n_experts] = 1;
+      }
+    }
+  }
+}
+
+// The rows of the marked pairs, after the GEMM (which wrote their base: the
+// shrink left them out): out = round(base + scale * round(round(x A^T) B^T)),
+// the fold after the GEMM, fp32 sums, for the sorted rows of the window
+// [row_offset, row_end). One warp a row; every CTA returns at once when no
+// pair is marked.
+template <DType D>
+__global__ void __launch_bounds__(kMarkedThreads)
+    fold_marked_rows_kernel(const GroupedArgs a, const int32_t* marks) {
+  const RouteView& rt = a.route;
+  if (marks[rt.num_loras * rt.n_experts] == 0) return;  // uniform
+  __shared__ float s_xa[kMarkedWarps][kMaxRank];
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int R = int(a.R);
+  const int64_t K = a.K, N = a.N;
+  const auto* x = static_cast<const uint16_t*>(a.x);
+  const auto* a_pool = static_cast<const uint16_t*>(a.a_pool);
+  const auto* b_pool = static_cast<const uint16_t*>(a.b_pool);
+  auto* out = static_cast<uint16_t*>(a.out);
+  const int64_t hi = a.row_end < a.te ? a.row_end : a.te;
+  for (int64_t r = (a.row_offset > 0 ? a.row_offset : 0) + int64_t(blockIdx.x) * kMarkedWarps + w;
+       r < hi; r += int64_t(gridDim.x) * kMarkedWarps) {
+    const int64_t e = find_expert(a.expert_offsets, a.num_experts, r);
+    int64_t tk, ad, orow;
+    Pair pair;
+    if (e < 0 ||
+        !grouped_row_adapter(a.sorted_token_ids, a.row_adapter, a.has_row_adapter, a.num_tokens,
+                             a.x_gather, r, &tk, &ad) ||
+        !resolve_pair(rt, ad, e, &pair) || !grouped_out_row(a.out_rows, a.m, r, &orow))
+      continue;
+    const int64_t l = rt.num_loras == 1 ? 0 : ad;
+    if (marks[l * rt.n_experts + e] == 0) continue;
+    const uint16_t* xr = x + (a.x_gather ? tk : r) * K;
+    const uint16_t* A = a_pool + int64_t(pair.a) * R * K;
+    for (int k = 0; k < R; ++k) {
+      float s = 0.f;
+      for (int64_t j = lane; j < K; j += 32)
+        s += fast::h2f<D>(xr[j]) * fast::h2f<D>(A[k * K + j]);
+      s = warp_sum(s);
+      if (lane == 0) s_xa[w][k] = fast::h2f<D>(fast::f2h<D>(s));
+    }
+    __syncwarp();
+    const uint16_t* B = b_pool + int64_t(pair.b) * N * R;
+    uint16_t* o = out + orow * N;
+    for (int64_t n = lane; n < N; n += 32) {
+      float d = 0.f;
+      for (int k = 0; k < R; ++k) d += s_xa[w][k] * fast::h2f<D>(B[n * R + k]);
+      o[n] = fast::f2h<D>(fold_add(fast::h2f<D>(o[n]), pair.scale,
+                                   fast::h2f<D>(fast::f2h<D>(d))));
+    }
+    __syncwarp();  // s_xa[w] is rewritten by the warp's next row
   }
 }
 
 }  // namespace
 
-cudaError_t pack_lora_ext(const GroupedArgs& f, void* b_ext, cudaStream_t stream) {
+cudaError_t pack_lora_ext(const GroupedArgs& f, void* b_ext, int32_t* marks,
+                          cudaStream_t stream) {
   const int64_t ext_k = f.route.num_loras * f.R;
   if (f.xa_ld != ext_k || !f.xa_by_adapter) return cudaErrorInvalidValue;
   if (cudaError_t err = cudaMemsetAsync(f.xa, 0, size_t(f.te * ext_k) * 2, stream);
       err != cudaSuccess)
     return err;
+  if (cudaError_t err = cudaMemsetAsync(
+          marks, 0, size_t(f.route.num_loras * f.route.n_experts + 1) * 4, stream);
+      err != cudaSuccess)
+    return err;
   const int64_t e_eff = std::min<int64_t>(f.route.n_experts, f.num_experts);
   if (e_eff <= 0 || f.te <= 0) return cudaSuccess;
-  const dim3 grid(unsigned((f.N + kPackThreads - 1) / kPackThreads), unsigned(f.route.num_loras),
-                  unsigned(e_eff));
+  constexpr int64_t kGridYZ = 65535;
+  const dim3 grid(unsigned((f.N + kPackThreads - 1) / kPackThreads),
+                  unsigned(std::min(f.route.num_loras, kGridYZ)), unsigned(std::min(e_eff, kGridYZ)));
   const auto* b_pool = static_cast<const uint16_t*>(f.b_pool);
   auto* b = static_cast<uint16_t*>(b_ext);
   if (f.dtype == DType::kBf16)
-    pack_b_ext<DType::kBf16><<<grid, kPackThreads, 0, stream>>>(b_pool, f.route, f.expert_offsets,
-                                                                  f.N, int(f.R), b);
+    pack_b_ext<DType::kBf16><<<grid, kPackThreads, 0, stream>>>(
+        b_pool, f.route, f.expert_offsets, e_eff, f.N, int(f.R), b, marks);
   else
-    pack_b_ext<DType::kF16><<<grid, kPackThreads, 0, stream>>>(b_pool, f.route, f.expert_offsets,
-                                                                 f.N, int(f.R), b);
+    pack_b_ext<DType::kF16><<<grid, kPackThreads, 0, stream>>>(
+        b_pool, f.route, f.expert_offsets, e_eff, f.N, int(f.R), b, marks);
   return cudaPeekAtLastError();
 }
 
@@ -77,6 +163,18 @@ cudaError_t shrink_lora_ext(const GroupedArgs& f, cudaStream_t stream) {
   const int64_t lo = std::max<int64_t>(0, f.row_offset), hi = std::min<int64_t>(f.row_end, f.te);
   if (hi <= lo || std::min<int64_t>(f.route.n_experts, f.num_experts) <= 0) return cudaSuccess;
   return fast::launch_grouped_shrink(f, stream);
+}
+
+cudaError_t fold_marked_rows(const GroupedArgs& f, const int32_t* marks, cudaStream_t stream) {
+  const int64_t lo = std::max<int64_t>(0, f.row_offset), hi = std::min<int64_t>(f.row_end, f.te);
+  if (hi <= lo) return cudaSuccess;
+  const int64_t ctas = std::min<int64_t>((hi - lo + kMarkedWarps - 1) / kMarkedWarps,
+                                         4 * int64_t(fast::sm_count()));
+  if (f.dtype == DType::kBf16)
+    fold_marked_rows_kernel<DType::kBf16><<<unsigned(ctas), kMarkedThreads, 0, stream>>>(f, marks);
+  else
+    fold_marked_rows_kernel<DType::kF16><<<unsigned(ctas), kMarkedThreads, 0, stream>>>(f, marks);
+  return cudaPeekAtLastError();
 }
 
 }  // namespace moelora

@@ -2,7 +2,8 @@
 // the window that folds, written to the handler's xa scratch [te, R] (or, for
 // the LoRA inside expert_matmul's GEMM, to the R columns of the row's table
 // row in rows xa_ld wide: GroupedArgs::xa_by_adapter; there a second route
-// of the same tables, GroupedArgs::xa2, shares the pass over x: gate and up).
+// of the same tables, GroupedArgs::xa2, shares the pass over x: gate and up;
+// GroupedArgs::skip_cells leaves the rows of some cells out).
 // prefill_expand.cu then folds round(xa . B) into base_out.
 //
 // A "batch" is up to MR = 8 * NRG rows of one tile that fold with one pair
@@ -295,8 +296,10 @@ __global__ void __launch_bounds__(kCellThreads, 2) grouped_shrink_kernel(const G
       if (cur == INT_MAX) break;
       prev = cur;
       Pair pair, pair2;
-      const bool fold1 = resolve_pair(rt, cur, e, &pair);
-      const bool fold2 = two && resolve_pair(a.route2, cur, e, &pair2);
+      const bool fold1 = resolve_pair(rt, cur, e, &pair) &&
+                         !(a.skip_cells && a.skip_cells[cur * rt.n_experts + e]);
+      const bool fold2 = two && resolve_pair(a.route2, cur, e, &pair2) &&
+                         !(a.skip_cells2 && a.skip_cells2[cur * a.route2.n_experts + e]);
       if (!fold1 && !fold2) continue;
       const unsigned b0 = __ballot_sync(0xffffffffu, v0 == cur);
       const unsigned b1 = __ballot_sync(0xffffffffu, v1 == cur);

@@ -48,16 +48,13 @@ _SCHEDULES = {"cooperative": _ext.EXPERT_MATMUL_COOPERATIVE,
               "pingpong": _ext.EXPERT_MATMUL_PINGPONG}
 
 
-def _align(nbytes: int) -> int:
-    a = _ext.EXPERT_MATMUL_SCRATCH_ALIGN
-    return -(-nbytes // a) * a
-
-
-def lora_in_gemm_scratch(routes, E: int, N: int, itemsize: int) -> int:
-    """Bytes of the packed ``round(scale * B^T)`` blocks the LoRA inside the
-    GEMM reads (``[min(n_experts, E), L * R, N]`` per route), after the GEMM's
-    scratch (the layout of ``expert_matmul_handler.cu``)."""
-    return sum(_align(min(r.n_experts, E) * r.max_loras * r.max_rank * N * itemsize)
+def lora_in_gemm_scratch(routes, E: int, N: int) -> int:
+    """Bytes of expert_matmul's scratch after the GEMM's for the routes folded
+    inside the GEMM: per route, the packed ``round(scale * B^T)`` blocks
+    (``[min(n_experts, E), L * R, N]``) and the marks of the pairs whose
+    packed values are not finite (``lora_ext_scratch_bytes`` of
+    ``moelora_constants.h``, which the handler's layout uses)."""
+    return sum(int(_ext.ext.lora_ext_scratch_bytes(r.max_loras, r.n_experts, E, r.max_rank, N))
                for r in routes if r is not None)
 
 
@@ -79,7 +76,7 @@ def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter, pdl: bool, sc
     live = [r for r in routes if r is not None]
     fuse = bool(lora_in_gemm and live)
     if fuse:  # xa: each weight set's [M, L * R] plane (row stride its own L * R)
-        scratch += lora_in_gemm_scratch(routes, E, N, jnp.dtype(dt).itemsize)
+        scratch += lora_in_gemm_scratch(routes, E, N)
         xa_shape = (nw, M, max(r.max_loras * r.max_rank for r in live))
     else:  # xa: the fold's [M, R]
         xa_shape = (M if live else 1, max((r.max_rank for r in live), default=1))
