@@ -234,3 +234,31 @@ def test_seed_alias_folds_as_simple_on_a_gpu(case):
     with pytest.warns(DeprecationWarning, match="use impl='simple'"):
         got = fold("seed")
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+def test_block_prefill_folds_inside_the_gemm_for_cuda(cutlass):
+    """``MoEBlock``'s prefill with adapters, lowered for CUDA: gate/up and down
+    fold inside the GEMMs' custom calls (``lora_in_gemm = 1`` on both, the
+    default for 2 adapters of rank 16 at K = 512 and 256), and its LoRA
+    gradient lowers onto the grouped GEMMs; lowered for the CPU, neither
+    custom call appears."""
+    from flax import nnx
+
+    from jax_moelora.nnx import MoEBlock
+
+    block = MoEBlock(512, 256, num_experts=8, top_k=2, max_loras=2, max_rank=16,
+                     dtype=jnp.bfloat16, gather_max_rows=0, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(96, 512)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(-1, 2, 96), jnp.int32)
+    cpu, cuda = (_lowered(lambda x, i: block(x, i), x, ids, platform=p) for p in ("cpu", "cuda"))
+    assert re.findall(r"lora_in_gemm = (\d+)", cuda) == ["1", "1"]
+    assert not {_ext.EXPERT_MATMUL_TARGET, _ext.GROUPED_MATMUL_TARGET} & set(_calls(cpu))
+    graph, lora, rest = nnx.split(block, nnx.LoRAParam, ...)
+
+    def loss(lora, x, i):
+        out = nnx.merge(graph, lora, rest)(x, i)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    grad = _lowered(jax.grad(loss), lora, x, ids, platform="cuda")
+    assert _ext.GROUPED_MATMUL_TARGET in _calls(grad)

@@ -241,7 +241,7 @@ def expert_matmul_folded(x: Array, ws: tuple[Array, ...], rows: ExpertRows, rout
         out = _library_expert_matmul(
             xs, ws if pair else ws[0], sizes, lora=tuple(routes) if pair else routes[0],
             row_adapter=row_adapter, sorted_token_ids=srt.sorted_token_ids, stacked=pair,
-            impl="fast", gather_max_rows=0)
+            impl="auto", gather_max_rows=0)  # "auto": traced whatever the default device
         return out if pair else out[None]
 
     def after(xs, ws, sizes):
