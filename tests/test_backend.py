@@ -240,8 +240,8 @@ def test_block_prefill_folds_inside_the_gemm_for_cuda(cutlass):
     """``MoEBlock``'s prefill with adapters, lowered for CUDA: gate/up and down
     fold inside the GEMMs' custom calls (``lora_in_gemm = 1`` on both, the
     default for 2 adapters of rank 16 at K = 512 and 256), and its LoRA
-    gradient lowers onto the grouped GEMMs; lowered for the CPU, neither
-    custom call appears."""
+    gradient lowers onto the grouped GEMMs (no ``ragged_dot`` left); lowered
+    for the CPU, neither custom call appears."""
     from flax import nnx
 
     from jax_moelora.nnx import MoEBlock
@@ -261,4 +261,5 @@ def test_block_prefill_folds_inside_the_gemm_for_cuda(cutlass):
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
     grad = _lowered(jax.grad(loss), lora, x, ids, platform="cuda")
-    assert _ext.GROUPED_MATMUL_TARGET in _calls(grad)
+    assert _ext.EXPERT_MATMUL_TARGET in _calls(grad) and _ext.GROUPED_MATMUL_TARGET in _calls(grad)
+    assert "ragged_dot" not in grad  # no dense zero-padded transpose of the expert GEMMs
