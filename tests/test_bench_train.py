@@ -178,7 +178,13 @@ def test_bench_train_refuses_an_unknown_program(tmp_path, capsys):
 def test_quick_and_summary():
     args = argparse_namespace(quick=True)
     s = bt.settings_from_args(args)
-    assert [c.model.name for c in s.cases] == ["tiny", "tiny"]  # the CPU's quick subset
+    from jax_moelora import _ext
+
+    if _ext.current_platform() == "gpu":  # the GPU's quick subset: Qwen3 at T = 512 and 4096
+        assert [(c.model.name, c.tokens) for c in s.cases] == [
+            ("Qwen3-30B-A3B", 512), ("Qwen3-30B-A3B", 4096)]
+    else:  # the CPU's: the tiny model, 1 and 4 adapters
+        assert [c.model.name for c in s.cases] == ["tiny", "tiny"]
     assert s.programs == bt.DEFAULT_PROGRAMS and s.reps == 2
     rows = [dict(model="Qwen3-30B-A3B", tokens=t, rank=16, adapters=1, program=p, time_us=v,
                  vs_fwd=v / 1000.0, mem_vs_fwd=1.5, peak_bytes=2**30)

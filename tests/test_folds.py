@@ -236,7 +236,7 @@ def test_grouped_token_ids_out_of_range_skip_only_where_read(rng, impl, x_gather
     if x_gather or with_map:
         np.testing.assert_array_equal(bits(out[bad]), bits(case.base_out[bad]))
     else:
-        assert case.fold_rows[bad].sum() >= 3
+        assert case.fold_rows[bad].sum() >= 1  # some row whose token is out of range folds
     _check(case, out, impl)
 
 
