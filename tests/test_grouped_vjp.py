@@ -67,6 +67,37 @@ def test_grouped_equals_dense_formulation(rng, sort, L):
         assert _rel(a, b) <= 1e-5, f"{name}: {_rel(a, b):.3g}"
 
 
+def test_by_expert_a_value_not_finite_stays_in_its_cells_cotangents(rng):
+    """With several table rows the matmuls run by expert, an expert's cells
+    side by side: a NaN in one cell's A reaches its B cotangent (through
+    ``xa``) and no row's ``dx``; the rows of the expert's other cells keep the
+    bits they have with a finite A."""
+    route = make_route(rng, P=11, R=8, K=16, N=24, L=3, E=4)
+    M = 80
+    adapter, expert, _, ok = _rows(rng, route, M, sort=True)
+    key = grouped_vjp.cell_keys(3, 4, adapter, expert, ok)
+    k = np.asarray(key)
+    first = int(k[k < 12][0])  # a cell with rows: e * L + l
+    e0, l0 = divmod(first, 3)
+    slot = int(np.asarray(route.a_table)[l0, e0])
+    a_pool = np.array(route.a_pool)
+    a_pool[slot, 0, 0] = np.nan
+    bad = route.replace(a_pool=jnp.asarray(a_pool))
+    x = jnp.asarray(rng.normal(size=(M, 16)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(M, 24)), jnp.float32)
+    run = jax.jit(lambda x, m, k: grouped_vjp.lora_grads(x, [m], k, impl="jnp"))
+    dx, _ = run(x, grouped_vjp.member(route, g), key)
+    dx_bad, (grads,) = run(x, grouped_vjp.member(bad, g), key)
+    assert np.isfinite(np.asarray(dx_bad)).all()
+    cells = np.asarray(route.a_table).T.reshape(-1)  # cell e * L + l's A slot
+    other = (k < 12) & (cells[np.minimum(k, 11)] != slot)
+    assert other.any()
+    np.testing.assert_array_equal(np.asarray(dx_bad)[other], np.asarray(dx)[other])
+    # xa = x A^T carries it into the cell's B and scale cotangents
+    b_slot = int(np.asarray(route.b_table)[l0, e0])
+    assert np.isnan(np.asarray(grads.d_b_pool)[b_slot]).any()
+
+
 @pytest.mark.parametrize("sort", [True, False], ids=["sorted", "unsorted"])
 def test_lora_grads_takes_rows_in_any_order(rng, sort):
     """``lora_grads`` on rows in the caller's order (dx in that order) equals

@@ -19,6 +19,14 @@ and up: one launch each for ``xa``, ``d_xa`` and the sums, one ``dx``
 launch each), reading the weights in place; nothing is allocated in
 proportion to ``rows * pool_size``.
 
+With several table rows (``L > 1``) the groups are the experts instead: an
+expert's ``L`` cells side by side (``A`` blocks stacked to ``[L * R, K]``,
+``s * B`` blocks to ``[N, L * R]``), each row keeping its own cell's ``R``
+columns of ``xa`` and ``d_xa``. The products are the cells' with zeros
+beside them, in ``L`` times fewer groups: the tiles of the ``R``-wide
+matmuls do not grow with the number of adapters (``d_xa`` is then
+``round(g round(s B))``).
+
 Cells are numbered expert-major, ``g = e * L + l`` (``L`` table rows,
 ``E_t`` experts): rows sorted by expert and, within an expert, by adapter
 (the order ``sort_rows_by_expert`` and ``MoEBlock`` use) are sorted by cell.
@@ -55,7 +63,7 @@ _F32 = jnp.float32
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["a_pool", "b_pool", "a_slot", "b_slot", "scale", "g"],
-                   meta_fields=["plane", "g_plane"])
+                   meta_fields=["plane", "g_plane", "loras"])
 @dataclasses.dataclass(frozen=True)
 class Member:
     """One projection of the rows: its pools and per-cell tables, and its cotangent.
@@ -64,7 +72,8 @@ class Member:
     ``plane`` of their leading dimensions; ``a_slot``, ``b_slot`` int32
     ``[G]`` are cell ``g``'s pool slots (-1: the cell folds nothing),
     ``scale`` f32 ``[G]``; ``g [..., M, N]`` is the rows' cotangent, at plane
-    ``g_plane``. A pytree whose planes are static.
+    ``g_plane``; ``loras`` is the tables' ``L`` (``G = E_t * L``). A pytree
+    whose planes and ``loras`` are static.
     """
 
     a_pool: jax.Array
@@ -75,6 +84,7 @@ class Member:
     scale: jax.Array
     g: jax.Array
     g_plane: int = 0
+    loras: int = 1
 
     @property
     def pool_size(self) -> int:
@@ -106,7 +116,7 @@ def member(route: MoeExpertRoute, g: jax.Array, *, plane: int = 0, g_plane: int 
     ok = (a > 0) & (a < P) & (b > 0) & (b < P)
     scale = jnp.where(ok, route.scale_table.T.reshape(-1), 0.0).astype(_F32)
     return Member(a_pool, b_pool, plane, jnp.where(ok, a, -1).astype(jnp.int32),
-                  jnp.where(ok, b, -1).astype(jnp.int32), scale, g, g_plane)
+                  jnp.where(ok, b, -1).astype(jnp.int32), scale, g, g_plane, route.max_loras)
 
 
 def cell_keys(L: int, E: int, adapter: jax.Array, expert: jax.Array, ok: jax.Array) -> jax.Array:
@@ -125,6 +135,69 @@ def _pool_sum(cells: jax.Array, slot: jax.Array, P: int) -> jax.Array:
     (a slot of -1 is dropped)."""
     return jnp.zeros((P,) + cells.shape[1:], _F32).at[jnp.where(slot >= 0, slot, P)].add(
         cells, mode="drop")
+
+
+class _Groups(NamedTuple):
+    """The groups of the LoRA matmuls and each member's matrices.
+
+    By cell: a group per cell, the pools read at the cells' slots, the scale
+    as the per-group alpha of ``d_xa``. By expert: a group per expert whose
+    matrices hold its ``L`` cells side by side (``a [E, L * R, K]``, ``b [E,
+    N, L * R]`` with the cell's scale applied, zero for a cell that folds
+    nothing); ``xa`` and ``d_xa`` are then ``[M, L * R]`` and each row keeps
+    only its own cell's ``R`` columns (``masks``), so every product is the
+    by-cell one with zeros beside it. ``dx = d_xa A`` runs over all ``L``
+    blocks of ``a``, so its copy has the values that are not finite set to 0
+    (``0 * inf`` would reach the other cells' rows): such a value of a cell's
+    A reaches that cell's pool cotangents, not any row's ``dx``.
+    """
+
+    offsets: jax.Array
+    a: list        # per member: (rhs, rhs_plane, slots) of xa (transposed)
+    a_dx: list     # per member: (rhs, rhs_plane, slots) of dx
+    b: list        # per member: (rhs, rhs_plane, slots, alpha) of d_xa
+    masks: list | None  # per member: bool [M, L * R] (by expert), or None (by cell)
+
+
+def _by_cell(members: Sequence[Member], key: jax.Array) -> _Groups:
+    G = members[0].a_slot.shape[0]
+    counts = jnp.zeros((G + 1,), jnp.int32).at[key].add(1)[:G]
+    a = [(m.a_pool, m.plane, m.a_slot) for m in members]
+    return _Groups(gm.group_offsets(counts), a, a,
+                   [(m.b_pool, m.plane, m.b_slot, m.scale) for m in members], None)
+
+
+def _by_expert(members: Sequence[Member], key: jax.Array) -> _Groups:
+    L, G = members[0].loras, members[0].a_slot.shape[0]
+    E = G // L
+    counts = jnp.zeros((E + 1,), jnp.int32).at[jnp.minimum(key // L, E)].add(1)[:E]
+    cell = jnp.where(key < G, key % L, -1)[:, None]
+    a, a_dx, b, masks = [], [], [], []
+    for m in members:
+        ap = m.a_pool.reshape((-1,) + m.a_pool.shape[-3:])[m.plane]  # [P, R, K]
+        bp = m.b_pool.reshape((-1,) + m.b_pool.shape[-3:])[m.plane]  # [P, N, R]
+        (P, R, K), N = ap.shape, bp.shape[1]
+        ok = (m.a_slot >= 0)[:, None, None]
+        a_cells = jnp.where(ok, ap[jnp.clip(m.a_slot, 0, P - 1)], 0)
+        b_cells = jnp.where(ok, bp[jnp.clip(m.b_slot, 0, P - 1)].astype(_F32)
+                            * m.scale[:, None, None], 0.0).astype(bp.dtype)
+        a_cells = a_cells.reshape(E, L * R, K)
+        a.append((a_cells, 0, None))
+        a_dx.append((jnp.where(jnp.isfinite(a_cells), a_cells, 0), 0, None))
+        b.append((b_cells.reshape(E, L, N, R).transpose(0, 2, 1, 3).reshape(E, N, L * R), 0,
+                  None, None))
+        masks.append(jnp.arange(L * R, dtype=jnp.int32)[None, :] // R == cell)
+    return _Groups(gm.group_offsets(counts), a, a_dx, b, masks)
+
+
+def _cells(red: jax.Array, L: int, rank_last: bool) -> jax.Array:
+    """A by-expert sum (``[E, L * R, K]``, or ``[E, N, L * R]`` with
+    ``rank_last``) as per-cell sums ``[G, R, K]`` (``[G, N, R]``)."""
+    if not rank_last:
+        E, LR, K = red.shape
+        return red.reshape(E * L, LR // L, K)
+    E, N, LR = red.shape
+    return red.reshape(E, N, L, LR // L).transpose(0, 2, 1, 3).reshape(E * L, N, LR // L)
 
 
 def lora_grads_sorted(x_rows: jax.Array, members: Sequence[Member], key: jax.Array, *,
@@ -146,20 +219,24 @@ def lora_grads_sorted(x_rows: jax.Array, members: Sequence[Member], key: jax.Arr
       ``(dx_rows [M, K] in x's dtype (a list of them with separate),
       [ProjectionGrads per member])``.
     """
-    G = members[0].a_slot.shape[0]
-    counts = jnp.zeros((G + 1,), jnp.int32).at[key].add(1)[:G]
-    offsets = gm.group_offsets(counts)
-    xa = gm.gmm([gm.GmmSet(x_rows, m.a_pool, offsets, m.a_slot, 0, m.plane) for m in members],
+    L = members[0].loras
+    grp = _by_expert(members, key) if L > 1 else _by_cell(members, key)
+    xa = gm.gmm([gm.GmmSet(x_rows, r, grp.offsets, sl, 0, pl) for r, pl, sl in grp.a],
                 transpose_rhs=True, impl=impl)
     # d_xa = round(s * (g B)): the cell's scale applied to the fp32 product
-    d_xa = gm.gmm([gm.GmmSet(m.g, m.b_pool, offsets, m.b_slot, m.g_plane, m.plane, m.scale)
-                   for m in members], impl=impl)
+    # (by expert: round(g round(s B)))
+    d_xa = gm.gmm([gm.GmmSet(m.g, r, grp.offsets, sl, m.g_plane, pl, al)
+                   for m, (r, pl, sl, al) in zip(members, grp.b)], impl=impl)
+    if grp.masks is not None:
+        xa = [jnp.where(mk, v, jnp.zeros((), v.dtype)) for mk, v in zip(grp.masks, xa)]
+        d_xa = [jnp.where(mk, v, jnp.zeros((), v.dtype)) for mk, v in zip(grp.masks, d_xa)]
     sets = []
     for m, xa_m, dxa in zip(members, xa, d_xa):
-        sets += [gm.TgmmSet(dxa, x_rows, offsets), gm.TgmmSet(m.g, xa_m, offsets, m.g_plane)]
+        sets += [gm.TgmmSet(dxa, x_rows, grp.offsets),
+                 gm.TgmmSet(m.g, xa_m, grp.offsets, m.g_plane)]
     red = gm.tgmm(sets, impl=impl)
-    dx_sets = [gm.GmmSet(dxa, m.a_pool, offsets, m.a_slot, 0, m.plane)
-               for m, dxa in zip(members, d_xa)]
+    dx_sets = [gm.GmmSet(dxa, r, grp.offsets, sl, 0, pl)
+               for dxa, (r, pl, sl) in zip(d_xa, grp.a_dx)]
     if separate:
         dx = gm.gmm(dx_sets, impl=impl)
     else:
@@ -169,6 +246,8 @@ def lora_grads_sorted(x_rows: jax.Array, members: Sequence[Member], key: jax.Arr
     grads = []
     for i, m in enumerate(members):
         da, gxa = red[2 * i:2 * i + 2]  # [G, R, K] and [G, N, R]: sums of d_xa^T x and g^T xa
+        if grp.masks is not None:
+            da, gxa = _cells(da, L, False), _cells(gxa, L, True)
         P = m.pool_size
         b_pool = m.b_pool.reshape((-1,) + m.b_pool.shape[-3:])[m.plane]
         # ds = sum_rows xa . (g B) = <g^T xa, B>, from the fp32 sums
