@@ -89,12 +89,12 @@ extern const ExpertGemmKernel kExpertGemmBf16CooperativeLora, kExpertGemmBf16Pin
 // grouped fold's shrink into xa_ext (and, with fold.xa2, a second route's
 // into its xa_ext in the same pass), leaving out the cells that
 // fold.skip_cells (the marks) mark. After the GEMM, fold_marked_rows folds
-// the marked pairs' rows into its output as the fold after the GEMM does
-// (nothing when none is marked). The caller checks
+// the rows of the pairs fold.skip_cells marks into its output as the fold
+// after the GEMM does (nothing when none is marked). The caller checks
 // fast::grouped_split_fits(fold).
 cudaError_t pack_lora_ext(const GroupedArgs& fold, void* b_ext, int32_t* marks,
                           cudaStream_t stream);
 cudaError_t shrink_lora_ext(const GroupedArgs& fold, cudaStream_t stream);
-cudaError_t fold_marked_rows(const GroupedArgs& fold, const int32_t* marks, cudaStream_t stream);
+cudaError_t fold_marked_rows(const GroupedArgs& fold, cudaStream_t stream);
 
 }  // namespace moelora

@@ -178,7 +178,7 @@ ffi::Error ExpertMatmulCudaImpl(
     err = shrink_lora_ext(shrinks[j], stream);
   if (err == cudaSuccess) err = kernel->run(g, stream);
   for (int64_t i = 0; i < num_weights && in_gemm && err == cudaSuccess; ++i)
-    if (has_lora[i]) err = fold_marked_rows(folds[i], folds[i].skip_cells, stream);
+    if (has_lora[i]) err = fold_marked_rows(folds[i], stream);
   for (int64_t i = 0; i < num_weights && !in_gemm && err == cudaSuccess; ++i)
     if (has_lora[i]) err = launch_grouped_fast(fold_args(i, xa->untyped_data()), stream);
   if (err != cudaSuccess) return ffi::Error::Internal(std::string("expert_matmul: ") +

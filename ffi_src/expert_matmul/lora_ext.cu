@@ -77,15 +77,16 @@ __global__ void __launch_bounds__(kPackThreads)
   }
 }
 
-// The rows of the marked pairs, after the GEMM (which wrote their base: the
+// The rows of the pairs a.skip_cells marks (the pack's marks), after the GEMM (which wrote their base: the
 // shrink left them out): out = round(base + scale * round(round(x A^T) B^T)),
 // the fold after the GEMM, fp32 sums, for the sorted rows of the window
 // [row_offset, row_end). One warp a row; every CTA returns at once when no
 // pair is marked.
 template <DType D>
 __global__ void __launch_bounds__(kMarkedThreads)
-    fold_marked_rows_kernel(const GroupedArgs a, const int32_t* marks) {
+    fold_marked_rows_kernel(const GroupedArgs a) {
   const RouteView& rt = a.route;
+  const int32_t* marks = a.skip_cells;
   if (marks[rt.num_loras * rt.n_experts] == 0) return;  // uniform
   __shared__ float s_xa[kMarkedWarps][kMaxRank];
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
@@ -165,15 +166,15 @@ cudaError_t shrink_lora_ext(const GroupedArgs& f, cudaStream_t stream) {
   return fast::launch_grouped_shrink(f, stream);
 }
 
-cudaError_t fold_marked_rows(const GroupedArgs& f, const int32_t* marks, cudaStream_t stream) {
+cudaError_t fold_marked_rows(const GroupedArgs& f, cudaStream_t stream) {
   const int64_t lo = std::max<int64_t>(0, f.row_offset), hi = std::min<int64_t>(f.row_end, f.te);
   if (hi <= lo) return cudaSuccess;
   const int64_t ctas = std::min<int64_t>((hi - lo + kMarkedWarps - 1) / kMarkedWarps,
                                          4 * int64_t(fast::sm_count()));
   if (f.dtype == DType::kBf16)
-    fold_marked_rows_kernel<DType::kBf16><<<unsigned(ctas), kMarkedThreads, 0, stream>>>(f, marks);
+    fold_marked_rows_kernel<DType::kBf16><<<unsigned(ctas), kMarkedThreads, 0, stream>>>(f);
   else
-    fold_marked_rows_kernel<DType::kF16><<<unsigned(ctas), kMarkedThreads, 0, stream>>>(f, marks);
+    fold_marked_rows_kernel<DType::kF16><<<unsigned(ctas), kMarkedThreads, 0, stream>>>(f);
   return cudaPeekAtLastError();
 }
 

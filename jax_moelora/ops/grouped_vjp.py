@@ -130,6 +130,11 @@ def cell_keys(L: int, E: int, adapter: jax.Array, expert: jax.Array, ok: jax.Arr
     return jnp.where(valid, key, L * E).astype(jnp.int32)
 
 
+def _pool(pool: jax.Array, plane: int) -> jax.Array:
+    """Plane ``plane`` of a pool's leading dimensions: ``[P, R, K]`` or ``[P, N, R]``."""
+    return pool.reshape((-1,) + pool.shape[-3:])[plane]
+
+
 def _pool_sum(cells: jax.Array, slot: jax.Array, P: int) -> jax.Array:
     """``[G, ...]`` per-cell sums added into ``[P, ...]`` at each cell's slot
     (a slot of -1 is dropped)."""
@@ -174,8 +179,7 @@ def _by_expert(members: Sequence[Member], key: jax.Array) -> _Groups:
     cell = jnp.where(key < G, key % L, -1)[:, None]
     a, a_dx, b, masks = [], [], [], []
     for m in members:
-        ap = m.a_pool.reshape((-1,) + m.a_pool.shape[-3:])[m.plane]  # [P, R, K]
-        bp = m.b_pool.reshape((-1,) + m.b_pool.shape[-3:])[m.plane]  # [P, N, R]
+        ap, bp = _pool(m.a_pool, m.plane), _pool(m.b_pool, m.plane)  # [P, R, K], [P, N, R]
         (P, R, K), N = ap.shape, bp.shape[1]
         ok = (m.a_slot >= 0)[:, None, None]
         a_cells = jnp.where(ok, ap[jnp.clip(m.a_slot, 0, P - 1)], 0)
@@ -249,7 +253,7 @@ def lora_grads_sorted(x_rows: jax.Array, members: Sequence[Member], key: jax.Arr
         if grp.masks is not None:
             da, gxa = _cells(da, L, False), _cells(gxa, L, True)
         P = m.pool_size
-        b_pool = m.b_pool.reshape((-1,) + m.b_pool.shape[-3:])[m.plane]
+        b_pool = _pool(m.b_pool, m.plane)
         # ds = sum_rows xa . (g B) = <g^T xa, B>, from the fp32 sums
         b_cells = b_pool[jnp.clip(m.b_slot, 0, P - 1)].astype(_F32)
         ds = jnp.where(m.b_slot >= 0, jnp.sum(gxa * b_cells, axis=(1, 2)), 0.0)
