@@ -127,3 +127,25 @@ def test_bench_gemm_times_each_schedule(tmp_path):
     assert [r["method"] for r in rows] == methods
     assert all(r["check"] == "ok" and r["time_us"] > 0 for r in rows)
     assert rows[1]["adapters"] == 4 and rows[0]["adapters"] == 0
+
+
+def test_bench_gemm_trace_reports_the_kernels_of_each_method(tmp_path):
+    """``--trace``: one more run of each timed method under the profiler, a
+    folder each; on a GPU every row gets its kernel time per call and its
+    kernels by name, on the CPU no GPU kernel is traced and the rows say so
+    by leaving both empty."""
+    import jax
+
+    trace = tmp_path / "trace"
+    rc = main(["bench", "--gemm", "--models", TINY, "--projs", "gate_up", "--tokens", "8",
+               "--reps", "2", "--runs", "1", "--warmup", "1", "--methods", "gemm,gemm_lora",
+               "--no-check", "--trace", str(trace), "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "gemm.json").read_text())["rows"]
+    assert len(rows) == 2 and len([d for d in trace.iterdir() if d.is_dir()]) == 2
+    assert all(any(d.rglob("*.trace.json.gz")) for d in trace.iterdir())
+    for r in rows:
+        if jax.default_backend() == "gpu":
+            assert 0 < r["kernel_us"] <= 2 * r["time_us"] and r["kernels"], r
+        else:
+            assert r["kernel_us"] is None and r["kernels"] is None

@@ -168,6 +168,27 @@ def test_bench_train_tiny_run(tmp_path):
     assert "| tiny | 8 | 8 | 2 | gather | fwd_bwd |" in (tmp_path / "train.md").read_text()
 
 
+def test_bench_train_trace_reports_the_kernels_of_each_program(tmp_path):
+    """``--trace``: one more run of each program under the profiler, a folder
+    each; on a GPU a row gets its kernel time per step and its kernels by
+    name, on the CPU both stay empty."""
+    import jax
+
+    trace = tmp_path / "trace"
+    rc = main(["bench", "--train", "--models", TINY, "--tokens", "8", "--ranks", "8",
+               "--adapters", "1", "--methods", "fwd,fwd_bwd", "--no-check", "--reps", "2",
+               "--runs", "1", "--warmup", "1", "--trace", str(trace), "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "train.json").read_text())["rows"]
+    folders = sorted(d.name for d in trace.iterdir())
+    assert folders == ["tiny-T8-R8-L1-fwd", "tiny-T8-R8-L1-fwd_bwd"]
+    for r in rows:
+        if jax.default_backend() == "gpu":
+            assert 0 < r["kernel_us"] <= 2 * r["time_us"] and r["kernels"], r
+        else:
+            assert r["kernel_us"] is None and r["kernels"] is None
+
+
 def test_bench_train_refuses_an_unknown_program(tmp_path, capsys):
     rc = main(["bench", "--train", "--models", TINY, "--methods", "fwd,sgd", "--out",
                str(tmp_path)])

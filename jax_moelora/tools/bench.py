@@ -180,7 +180,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output folder (default bench_out/)")
     parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
                         help="profile one more run of each timed program into DIR and report "
-                             "the GPU kernel time per fold (kernel_us) and its kernels")
+                             "the GPU kernel time per fold, GEMM call or training step "
+                             "(kernel_us) and its kernels")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -302,14 +303,10 @@ def _trace_row(row: dict, loop, base: jax.Array, args: Any, s: Settings, case: C
     """``row["kernel_us"]``: GPU kernel time per fold in one traced run of
     ``loop`` (the copy of ``base_out`` that the run starts from included, 1 /
     ``reps`` of it), and ``row["kernels"]``: µs per fold of each kernel."""
-    from jax_moelora.tools.step_profile import kernel_times
+    from jax_moelora.tools.step_profile import trace_into
 
     slug = f"{case.label}-{method}".replace(" ", "_").replace("=", "").replace("@", "_")
-    prof = kernel_times(lambda: loop(jnp.copy(base), args), calls=s.reps,
-                        folder=s.trace / slug)
-    if prof["per_call_us"]:
-        row["kernel_us"] = prof["total_us"]
-        row["kernels"] = {k[:80]: round(v, 3) for k, v in prof["per_call_us"].items()}
+    trace_into(row, lambda: loop(jnp.copy(base), args), calls=s.reps, folder=s.trace / slug)
 
 
 def _fmt(v: float | None, digits: int = 1) -> str:

@@ -52,6 +52,7 @@ from rich.table import Table
 from jax_moelora import _ext
 from jax_moelora.tools import bench_methods as bm
 from jax_moelora.tools.bench_cases import MODELS, Model, make_routing, parse_model
+from jax_moelora.tools.step_profile import top_kernels, trace_into
 from jax_moelora.ops.expert_matmul import EXPERT_MATMUL_SCHEDULES, expert_matmul
 from jax_moelora.tables import MoeExpertRoute
 
@@ -226,8 +227,13 @@ def _method_fn(method: str, c: GemmCase, impl: str):
 def run_gemm_bench(cases: list[GemmCase], methods: tuple[str, ...], *, reps: int, runs: int,
                    warmup: int, bw_bytes: int, matmul_n: int, ragged_max_bytes: float,
                    check: bool = True, console: Console | None = None,
-                   out: Path | None = None) -> tuple[list[dict], dict]:
+                   out: Path | None = None, trace: Path | None = None
+                   ) -> tuple[list[dict], dict]:
     """Time every method on every case; returns the rows and the run's metadata.
+
+    With ``trace``, one more run of each timed program is profiled into a
+    folder of ``trace`` and its rows get ``kernel_us`` and ``kernels``
+    (``step_profile.trace_into``), the kernels printed.
 
     With ``out``, ``gemm.json`` and ``gemm.md`` are rewritten after every row,
     so a run cut short keeps what it measured. Where the jnp reference's dense
@@ -258,17 +264,22 @@ def run_gemm_bench(cases: list[GemmCase], methods: tuple[str, ...], *, reps: int
                    "rank": c.rank if lora else 0, "time_us": None, "floor_us": f["floor"] * 1e6,
                    "byte_floor_us": f["byte_floor"] * 1e6, "tc_floor_us": f["tc_floor"] * 1e6,
                    "pct_floor": None, "bytes": f["bytes"], "flops": f["flops"], "check": None,
-                   "check_err": None, "skipped": None, "error": None}
+                   "check_err": None, "skipped": None, "error": None, "kernel_us": None,
+                   "kernels": None}
             dense = 4 * c.model.n_experts * c.rows * c.n_out
             if method == "ragged_dot" and dense > ragged_max_bytes:
                 row["skipped"] = f"dense lowering needs {dense / 2**30:.1f} GiB"
             else:
                 _time_row(row, c, method, args, out0, refs, c.n_weights * dense > ref_max_bytes,
-                          reps=reps, runs=runs, warmup=warmup, check=check, console=console)
+                          reps=reps, runs=runs, warmup=warmup, check=check, console=console,
+                          trace=trace)
             rows.append(row)
             console.print(f"{c.label} {method}: {_fmt(row['time_us'])} µs "
                           f"({_fmt(row['pct_floor'], 0)} % floor) "
                           f"{row['skipped'] or row['error'] or row['check'] or ''}")
+            if row["kernel_us"]:
+                console.print(f"  kernels {row['kernel_us']:,.2f} µs a call:\n"
+                              + top_kernels(row), highlight=False, end="")
             if out is not None:
                 write_gemm_outputs(rows, meta, out)
         refs.clear()
@@ -285,7 +296,7 @@ def reference_max_bytes(ragged_max_bytes: float) -> float:
 
 def _time_row(row: dict, c: GemmCase, method: str, args: dict, out0: jax.Array, refs: dict,
               ref_too_large: bool, *, reps: int, runs: int, warmup: int, check: bool,
-              console: Console) -> None:
+              console: Console, trace: Path | None = None) -> None:
     """Fill ``row``'s time (and check) for one method on one case; an error is
     reported in the row and the run goes on. A jnp reference that fails (e.g.
     out of memory in XLA's autotuner) leaves the row timed and not checked."""
@@ -313,6 +324,9 @@ def _time_row(row: dict, c: GemmCase, method: str, args: dict, out0: jax.Array, 
                          first=first)
         row["time_us"] = t * 1e6
         row["pct_floor"] = 100.0 * row["floor_us"] / row["time_us"]
+        if trace is not None:
+            slug = f"{c.label}-{method}".replace(" ", "_").replace("=", "").replace("@", "_")
+            trace_into(row, lambda: loop(jnp.copy(out0), args), calls=reps, folder=trace / slug)
     except Exception as err:  # noqa: BLE001 - reported per row, the run goes on
         row["error"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
         console.print(f"[red]error[/] {c.label} {method}: {row['error']}")
@@ -393,7 +407,8 @@ def run(args: argparse.Namespace) -> int:
                                 bw_bytes=bw, matmul_n=8192 if plat == "gpu" else 512,
                                 ragged_max_bytes=ragged, check=not args.no_check,
                                 console=console,
-                                out=None if args.out is None else Path(args.out))
+                                out=None if args.out is None else Path(args.out),
+                                trace=args.trace)
     table = Table(title=f"expert_matmul on {meta['device']}, copy {meta['bandwidth'] / 1e9:,.0f} "
                         f"GB/s, matmul {meta['matmul_flops'] / 1e12:,.1f} TFLOP/s")
     for col in ("case", "method", "floor µs", "time µs", "% floor", "check"):

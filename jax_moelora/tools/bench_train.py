@@ -74,6 +74,7 @@ from jax_moelora import _ext
 from jax_moelora.tools import bench_methods as bm
 from jax_moelora.tools.bench_cases import MODELS, Case, Model, _draw, make_routing, parse_model
 from jax_moelora.tools.bench_gemm import QUICK_CPU_MODEL, measure_matmul_rate
+from jax_moelora.tools.step_profile import top_kernels, trace_into
 from jax_moelora.ops.expert_matmul import expert_matmul
 from jax_moelora.ops.folds import gather_rows_limit, sort_rows_by_expert
 from jax_moelora.tables import MoeExpertRoute
@@ -97,7 +98,7 @@ ROW_FIELDS = ("model", "tokens", "rank", "adapters", "rows", "program", "fold", 
               "vs_fwd", "bytes", "flops", "byte_floor_us", "tc_floor_us", "floor_us",
               "pct_floor", "pct_byte_floor", "pct_tc_floor", "peak_bytes", "mem_vs_fwd",
               "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "xla_peak_bytes",
-              "check", "check_err", "error", "reps", "runs")
+              "check", "check_err", "error", "reps", "runs", "kernel_us", "kernels")
 _F32 = jnp.float32
 
 Step = Callable[[Any], Any]   # args -> output: one step
@@ -416,6 +417,7 @@ class TrainSettings:
     ref_max_bytes: float = 16 << 30
     check: bool = True
     out: Path | None = Path("bench_out")
+    trace: Path | None = None  # profile one more run of each program into a folder of it
 
 
 def _row(case: TrainCase, program: str, s: TrainSettings) -> dict[str, Any]:
@@ -448,13 +450,18 @@ def _measure(row: dict, step: Step, ref_step: Step | None, args: Any, s: TrainSe
     """Memory, check (against ``ref_step``, unless None) and time of one
     program (fills ``row``): ``step`` compiled once, then timed by
     ``bench_methods.time_loop`` over :func:`call_loop` (``--reps`` calls a
-    run, the median of ``--runs`` runs after ``--warmup``)."""
+    run, the median of ``--runs`` runs after ``--warmup``); with
+    ``s.trace``, its kernels in one more run (``step_profile.trace_into``)."""
     compiled = jax.jit(step).lower(args).compile()
     row.update(memory_stats(compiled))
     first = None if ref_step is None else _checker(row, ref_step, args, tol)
     t = bm.time_loop(call_loop(compiled, s.reps), None, args, reps=s.reps, runs=s.runs,
                      warmup=s.warmup, first=first)
     row["time_us"] = t * 1e6
+    if s.trace is not None:
+        slug = f"{row['model']}-T{row['tokens']}-R{row['rank']}-L{row['adapters']}-{row['program']}"
+        trace_into(row, lambda: call_loop(compiled, s.reps)(None, args), calls=s.reps,
+                   folder=s.trace / slug)
     for pct, floor in (("pct_floor", "floor_us"), ("pct_byte_floor", "byte_floor_us"),
                        ("pct_tc_floor", "tc_floor_us")):
         row[pct] = 100.0 * row[floor] / row["time_us"]
@@ -513,6 +520,9 @@ def bench_case(case: TrainCase, s: TrainSettings, bandwidth: float, rate: float,
                       f"(x{_fmt(r['vs_fwd'], 2)} fwd, {_fmt(r['pct_floor'], 0)} % floor, "
                       f"peak {_mib(r['peak_bytes'])} MiB) {r['error'] or r['check'] or ''}",
                       highlight=False)
+        if r.get("kernel_us"):
+            console.print(f"  kernels {r['kernel_us']:,.1f} µs a step:\n" + top_kernels(r),
+                          highlight=False, end="")
     del inputs, block
     return rows
 
@@ -643,7 +653,8 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
         matmul_n=8192 if gpu else 512,
         ref_max_bytes=(args.ragged_max_gib * 2**30 if args.ragged_max_gib is not None
                        else (16 << 30 if gpu else 1 << 30)),
-        check=not args.no_check, out=None if args.out is None else Path(args.out))
+        check=not args.no_check, out=None if args.out is None else Path(args.out),
+        trace=args.trace)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 import jax
 
-__all__ = ["kernel_times", "overhead_split", "read_trace", "LIBRARY_KERNEL_MARK"]
+__all__ = ["kernel_times", "overhead_split", "read_trace", "trace_into", "top_kernels",
+           "LIBRARY_KERNEL_MARK"]
 
 #: A substring of the name of every kernel of this library (its C++ namespace).
 LIBRARY_KERNEL_MARK = "moelora::"
@@ -70,6 +71,25 @@ def kernel_times(fn: Callable, *args: Any, calls: int, folder: str | Path) -> di
     return {"per_call_us": {k: v / calls for k, v in dur.most_common()},
             "total_us": sum(dur.values()) / calls, "span_us": span / calls,
             "count": {k: v / calls for k, v in count.items()}, "processes": processes}
+
+
+def trace_into(row: dict[str, Any], fn: Callable[[], Any], *, calls: int,
+               folder: str | Path) -> None:
+    """Profile one more run of ``fn()`` (``calls`` steps, compiled beforehand)
+    into ``folder``: ``row["kernel_us"]``, the GPU kernel time per step, and
+    ``row["kernels"]``, µs per step of each kernel (names cut at 80
+    characters). ``row`` is left as it is when no GPU kernel was traced."""
+    prof = kernel_times(fn, calls=calls, folder=folder)
+    if prof["per_call_us"]:
+        row["kernel_us"] = prof["total_us"]
+        row["kernels"] = {k[:80]: round(v, 3) for k, v in prof["per_call_us"].items()}
+
+
+def top_kernels(row: dict[str, Any], n: int = 8) -> str:
+    """The ``n`` longest kernels of a :func:`trace_into` row, one ``µs  name``
+    line each (empty without a trace)."""
+    kernels = sorted((row.get("kernels") or {}).items(), key=lambda kv: -kv[1])[:n]
+    return "".join(f"  {us:9.2f} µs  {name}\n" for name, us in kernels)
 
 
 def overhead_split(base: dict[str, Any], lora: dict[str, Any]) -> dict[str, Any]:
