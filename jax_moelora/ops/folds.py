@@ -443,17 +443,20 @@ class RowPlan(NamedTuple):
         flat = self.topk_ids.reshape(-1)
         return flat[self.order] if self.grouped else flat
 
+    def _inverse(self) -> jax.Array:
+        """int32 ``[n_slots]``: flat row -> sorted row, the inverse of ``order``."""
+        n = self.order.shape[0]
+        return jnp.zeros_like(self.order).at[self.order].set(jnp.arange(n, dtype=jnp.int32))
+
     def to_plan_order(self, rows: jax.Array) -> jax.Array:
         """Flat token-major rows ``[n_slots, ...]`` -> plan order."""
-        return _take_rows(rows, self.order) if self.grouped else rows
+        return _permute_rows(rows, self.order, self._inverse()) if self.grouped else rows
 
     def to_flat_order(self, rows: jax.Array) -> jax.Array:
         """Rows in plan order ``[n_slots, ...]`` -> flat token-major order."""
         if not self.grouped:
             return rows
-        n = self.order.shape[0]  # flat row -> sorted row, the inverse of order
-        inverse = jnp.zeros_like(self.order).at[self.order].set(jnp.arange(n, dtype=jnp.int32))
-        return _take_rows(rows, inverse)
+        return _permute_rows(rows, self._inverse(), self.order)
 
 
 def plan_rows(topk_ids: jax.Array, num_experts: int, *,
@@ -576,3 +579,23 @@ def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route:
 
 def _take_rows(v, rows):
     return jnp.take(v, rows, axis=0, mode="clip")
+
+
+@jax.custom_vjp
+def _permute_rows(v: jax.Array, perm: jax.Array, inverse: jax.Array) -> jax.Array:
+    """``v[perm]`` for a permutation ``perm`` of v's rows (``inverse`` its
+    inverse). Its gradient takes the cotangent's rows by ``inverse``: the
+    same values as the scatter-add of ``v[perm]``'s gradient, as a gather."""
+    return _take_rows(v, perm)
+
+
+def _permute_rows_fwd(v, perm, inverse):
+    return _take_rows(v, perm), (perm, inverse)
+
+
+def _permute_rows_bwd(res, g):
+    _, inverse = res
+    return _take_rows(g, inverse), None, None
+
+
+_permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)

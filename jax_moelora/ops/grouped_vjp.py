@@ -96,7 +96,8 @@ class Member:
 
 class ProjectionGrads(NamedTuple):
     """A member's cotangents: ``d_a_pool [P, R, K]``, ``d_b_pool [P, N, R]``
-    (f32) and ``d_scale`` f32 ``[G]`` per cell."""
+    (the pools' dtype, rounded once from fp32 sums) and ``d_scale`` f32
+    ``[G]`` per cell."""
 
     d_a_pool: jax.Array
     d_b_pool: jax.Array
@@ -135,11 +136,27 @@ def _pool(pool: jax.Array, plane: int) -> jax.Array:
     return pool.reshape((-1,) + pool.shape[-3:])[plane]
 
 
-def _pool_sum(cells: jax.Array, slot: jax.Array, P: int) -> jax.Array:
-    """``[G, ...]`` per-cell sums added into ``[P, ...]`` at each cell's slot
-    (a slot of -1 is dropped)."""
-    return jnp.zeros((P,) + cells.shape[1:], _F32).at[jnp.where(slot >= 0, slot, P)].add(
-        cells, mode="drop")
+def _pool_sum(cells: jax.Array, slot: jax.Array, P: int, dtype) -> jax.Array:
+    """``[G, ...]`` per-cell sums as a ``[P, ...]`` pool cotangent in
+    ``dtype``: each slot the sum of its cells' (0 for a slot of no cell; a
+    slot of -1 is dropped). Where no two cells share a slot (the tables of
+    distinct adapters and experts) every slot takes its cell's sum by a
+    gather; otherwise the sums are added into an fp32 pool first. The two give
+    the same values."""
+    G = slot.shape[0]
+    idx = jnp.where(slot >= 0, slot, P)
+    users = jnp.zeros((P + 1,), jnp.int32).at[idx].add(1)[:P]
+    owner = jnp.full((P + 1,), G, jnp.int32).at[idx].set(jnp.arange(G, dtype=jnp.int32))[:P]
+
+    def gather(c):
+        got = jnp.take(c, jnp.minimum(owner, G - 1), axis=0)
+        own = (owner < G).reshape((P,) + (1,) * (c.ndim - 1))
+        return jnp.where(own, got, 0.0).astype(dtype)
+
+    def scatter(c):
+        return jnp.zeros((P,) + c.shape[1:], _F32).at[idx].add(c, mode="drop").astype(dtype)
+
+    return jax.lax.cond(jnp.any(users > 1), scatter, gather, cells)
 
 
 class _Groups(NamedTuple):
@@ -257,8 +274,9 @@ def lora_grads_sorted(x_rows: jax.Array, members: Sequence[Member], key: jax.Arr
         # ds = sum_rows xa . (g B) = <g^T xa, B>, from the fp32 sums
         b_cells = b_pool[jnp.clip(m.b_slot, 0, P - 1)].astype(_F32)
         ds = jnp.where(m.b_slot >= 0, jnp.sum(gxa * b_cells, axis=(1, 2)), 0.0)
-        grads.append(ProjectionGrads(_pool_sum(da, m.a_slot, P),
-                                     _pool_sum(gxa * m.scale[:, None, None], m.b_slot, P), ds))
+        grads.append(ProjectionGrads(
+            _pool_sum(da, m.a_slot, P, m.a_pool.dtype),
+            _pool_sum(gxa * m.scale[:, None, None], m.b_slot, P, m.b_pool.dtype), ds))
     return dx, grads
 
 
