@@ -5,12 +5,18 @@ JAX would otherwise take 75 % of a GPU's memory in each process, so only one
 pytest-xdist worker (``pytest -n N``) could start on a GPU. A value set in
 the environment wins.
 
+Tests that run JAX's profiler take the ``one_profiler`` fixture: one of them
+at a time on the machine, whichever pytest-xdist worker runs it (a GPU's
+profiling interface serves one process at a time).
+
 The sanitizer runs' test queue (``--shard``, ``--claim``, ``--order``,
 ``--timings``) is a plugin of the GPU check harness: ``tools/san_queue.py``.
 """
 
 import collections
+import fcntl
 import os
+import tempfile
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -53,6 +59,19 @@ def assert_pure_device(fn, *args) -> None:
     assert "while" not in jaxpr and "stablehlo.while" not in hlo, "a while loop"
 
 
+@pytest.fixture
+def one_profiler():
+    """Hold the machine-wide profiler lock (a file lock, released when the
+    test ends or its process dies) for the test's duration."""
+    path = os.path.join(tempfile.gettempdir(), "jax_moelora_tests_profiler.lock")
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 # The fold backends that run CUDA kernels. On a GPU, a test case of one is a
 # GPU test (marked ``gpu``, so ``-m gpu`` selects it) however its file lists
 # the backends (``backends()["impls"]`` holds them there); without a GPU the
@@ -84,3 +103,15 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("skip reasons")
         for reason, n in reasons.most_common():
             terminalreporter.write_line(f"{n:5d} skipped: {reason}")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+    """A failed test's id on its own line as soon as it fails (also under
+    pytest-xdist, whose progress dots name no test), so a run cut short
+    still says what failed. Written by the controller (a worker's report
+    reaches it too)."""
+    if report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        import sys
+
+        sys.stderr.write(f"\nFAILED {report.nodeid} ({report.when})\n")

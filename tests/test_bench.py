@@ -291,7 +291,7 @@ def test_merge_joins_runs_and_keeps_each_rows_floor(tmp_path):
     assert bench.run(bad) == 2
 
 
-def test_trace_reports_kernel_time_per_fold(tmp_path):
+def test_trace_reports_kernel_time_per_fold(tmp_path, one_profiler):
     """``--trace``: one more run of each timed program under the profiler; on
     a GPU every timed row gets its kernel time per fold (positive, and at most
     the wall time per fold it was measured against, give or take the timing

@@ -129,7 +129,7 @@ def test_bench_gemm_times_each_schedule(tmp_path):
     assert rows[1]["adapters"] == 4 and rows[0]["adapters"] == 0
 
 
-def test_bench_gemm_trace_reports_the_kernels_of_each_method(tmp_path):
+def test_bench_gemm_trace_reports_the_kernels_of_each_method(tmp_path, one_profiler):
     """``--trace``: one more run of each timed method under the profiler, a
     folder each; on a GPU every row gets its kernel time per call and its
     kernels by name, on the CPU no GPU kernel is traced and the rows say so

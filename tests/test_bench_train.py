@@ -168,7 +168,7 @@ def test_bench_train_tiny_run(tmp_path):
     assert "| tiny | 8 | 8 | 2 | gather | fwd_bwd |" in (tmp_path / "train.md").read_text()
 
 
-def test_bench_train_trace_reports_the_kernels_of_each_program(tmp_path):
+def test_bench_train_trace_reports_the_kernels_of_each_program(tmp_path, one_profiler):
     """``--trace``: one more run of each program under the profiler, a folder
     each; on a GPU a row gets its kernel time per step and its kernels by
     name, on the CPU both stay empty."""

@@ -60,7 +60,7 @@ def test_timing_mode_prints_the_overhead(tmp_path, capsys):
     assert isinstance(result["overhead_percent"], float)
 
 
-def test_timing_trace_splits_the_lora_overhead(tmp_path, capsys):
+def test_timing_trace_splits_the_lora_overhead(tmp_path, capsys, one_profiler):
     """``--timing --trace DIR``: each variant profiled once, its optimized HLO
     written beside the profile; on a GPU the LoRA variants' kernel time over
     the base model is split into the library's kernels, XLA's other kernels
