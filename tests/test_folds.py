@@ -26,6 +26,7 @@ from _fold_cases import (DELTA_RTOL, DTYPE_IDS, DTYPES, assert_ulp_close, bits, 
                          run_with_graphs_off, stack_routes, to_device)
 from conftest import HAS_GPU, assert_pure_device
 from jax_moelora.ops import sort_rows_by_expert
+from jax_moelora.ops.folds import plan_rows
 from jax_moelora.ops.jnp_fold import grouped_rows
 
 GPU = pytest.mark.gpu
@@ -612,3 +613,24 @@ def test_row_sort_and_grouped_rows_have_no_host_round_trip(rng):
     _, offsets, stok = sort_rows_by_expert(topk, E, ra, L)
     assert_pure_device(lambda o, s, r: grouped_rows(o, s, r, x_rows=T, row_offset=0,
                                                     row_end=T * k, x_gather=1), offsets, stok, ra)
+
+
+def test_plan_permutations_have_the_inverse_permutation_as_gradient():
+    """A grouped plan's ``to_plan_order`` and ``to_flat_order`` permute rows;
+    their gradients are the inverse permutations (the values of indexing's
+    scatter-add gradient), taken without a scatter."""
+    rng = np.random.default_rng(7)
+    topk = jnp.asarray(rng.integers(0, 6, (40, 2)), jnp.int32)
+    plan = plan_rows(topk, 6, gather_max_rows=0)
+    assert plan.grouped
+    rows = jnp.asarray(rng.normal(size=(80, 5)), jnp.float32)
+    cot = jnp.asarray(rng.normal(size=(80, 5)), jnp.float32)
+    order = np.asarray(plan.order)
+    for fn, ref in ((plan.to_plan_order, lambda v: v[order]),
+                    (plan.to_flat_order, lambda v: v[np.argsort(order)])):
+        np.testing.assert_array_equal(fn(rows), ref(rows))
+        got = jax.grad(lambda v: jnp.sum(fn(v) * cot))(rows)
+        want = jax.grad(lambda v: jnp.sum(ref(v) * cot))(rows)
+        np.testing.assert_array_equal(got, want)
+        assert "scatter-add" in str(jax.make_jaxpr(jax.grad(lambda v: jnp.sum(ref(v) * cot)))(rows))
+        assert "scatter-add" not in str(jax.make_jaxpr(jax.grad(lambda v: jnp.sum(fn(v) * cot)))(rows))

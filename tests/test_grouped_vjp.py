@@ -180,3 +180,23 @@ def test_kernels_match_the_jnp_form(rng, sort):
     for a, b in zip(grads, grads2):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert backend.gpu_now() and backend.cutlass_takes(dt, 256, 128, 16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("slots", [[3, -1, 5, 1, 7, 2], [3, 3, 5, -1, 1, 5]],
+                         ids=["distinct", "shared"])
+def test_pool_cotangent_sums_each_slots_cells(rng, dtype, slots):
+    """Each pool slot receives the sum of its cells' sums, rounded once to the
+    pool's dtype; a slot of no cell gets 0 and a cell of slot -1 is dropped,
+    whether the slots are distinct (taken by a gather) or shared."""
+    P, G = 9, len(slots)
+    cells = rng.normal(size=(G, 2, 3)).astype(np.float32)
+    want = np.zeros((P, 2, 3), np.float32)
+    for g, s in enumerate(slots):
+        if s >= 0:
+            want[s] += cells[g]
+    got = jax.jit(lambda c, s: grouped_vjp._pool_sum(c, s, P, dtype))(
+        jnp.asarray(cells), jnp.asarray(slots, jnp.int32))
+    assert got.dtype == dtype and got.shape == (P, 2, 3)
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(jnp.asarray(want).astype(dtype), np.float32))
