@@ -215,8 +215,7 @@ def _grouped_members(kernels: bool, x, specs, g, xi, cell, ok):
     out = []
     for dx_rows, gr, (r, _, _) in zip(dxs, grads, specs):
         dx = jnp.zeros(x.shape, _F32).at[xo].add(dx_rows.astype(_F32))
-        out.append((dx.astype(x.dtype), gr.d_a_pool.astype(r.dtype), gr.d_b_pool.astype(r.dtype),
-                    gr.d_scale.reshape(E, L).T))
+        out.append((dx.astype(x.dtype), gr.d_a_pool, gr.d_b_pool, gr.d_scale.reshape(E, L).T))
     return out
 
 

@@ -303,8 +303,7 @@ def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra):
 
 def _route_ct(route: MoeExpertRoute, grads: grouped_vjp.ProjectionGrads) -> MoeExpertRoute:
     E, L = route.n_experts, route.max_loras
-    return autodiff.route_cotangent(route, grads.d_a_pool.astype(route.dtype),
-                                    grads.d_b_pool.astype(route.dtype),
+    return autodiff.route_cotangent(route, grads.d_a_pool, grads.d_b_pool,
                                     grads.d_scale.reshape(E, L).T)
 
 
