@@ -723,6 +723,40 @@ def _mlp_grads(impl, x, ws, gs, stids, ra, routes, cot):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, ws, pools)
 
 
+@pytest.mark.parametrize("L", [1, 4])
+@pytest.mark.parametrize("table_experts", [8, 5, 11], ids=["E_t=E", "E_t<E", "E_t>E"])
+def test_kernel_backward_formulation_equals_the_ragged_backward(rng, L, table_experts):
+    """The backward the GPU runs, with the jnp form of its grouped matmuls
+    (every platform): f32 gate/up, rows sorted by expert only (rows of
+    different adapters and rows that fold nothing interleaved within an
+    expert), tables of as many, fewer or more experts than the weights; its
+    dx, dw and routes' cotangents equal the ``ragged_dot`` backward's."""
+    from jax_moelora.ops.expert_matmul import _bwd_kernel, _bwd_ragged, _Cfg
+
+    E, K, N, T = 8, 32, 24, 60
+    topk = np.stack([rng.permutation(E)[:2] for _ in range(T)]).astype(np.int32)
+    ra = jnp.asarray(rng.integers(-1, L, T).astype(np.int32))
+    _, offsets, stids = ml.sort_rows_by_expert(jnp.asarray(topk), E)
+    xs = jnp.asarray(rng.normal(size=(stids.shape[0], K)), jnp.float32)
+    ws = tuple(jnp.asarray(rng.normal(0, K ** -0.5, (E, K, N)), jnp.float32) for _ in range(2))
+    routes = tuple(to_device(make_route(rng, dtype=jnp.float32, num_loras=L,
+                                        n_experts=table_experts, k_in=K, n_out=N,
+                                        ranks=(8, 16), max_rank=16, poison=False))
+                   for _ in range(2))
+    gs = jnp.asarray(rng.normal(size=(2, stids.shape[0], N)), jnp.float32)
+    args = (xs, ws, offsets.astype(jnp.int32), stids, routes, ra)
+    got = jax.jit(lambda a, g: _bwd_kernel(a, g, True, True, impl="jnp"))(args, gs)
+    want = jax.jit(lambda a, g: _bwd_ragged(_Cfg("jnp", True), a, g))(args, gs)
+    pairs = [("dx", got[0], want[0])] + [(f"dw{i}", got[1][i], want[1][i]) for i in range(2)]
+    for i in range(2):
+        for name in ("a_pool", "b_pool", "scale_table"):
+            pairs.append((f"{name}{i}", getattr(got[2][i], name), getattr(want[2][i], name)))
+    for name, g, w in pairs:
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert np.abs(np.asarray(w, np.float64)).max() > 0, f"d{name} is zero"
+        assert _rel(g, w) <= 1e-5, f"d{name}: {_rel(g, w):.3g}"
+
+
 @GPU
 @pytest.mark.parametrize("sort_by_adapter", [True, False], ids=["by_adapter", "by_expert"])
 def test_kernel_backward_matches_the_ragged_backward(rng, sort_by_adapter):

@@ -2,9 +2,10 @@
 (``ops/grouped_vjp.py``, docs/design.md "Backward").
 
 In f32 its cotangents equal the other formulations' (``"dense"``,
-``"tiled"``) up to the order of fp32 sums, for rows in any order (sorted by
-cell: used in place; otherwise sorted first), for one projection or several
-read from a stacked pool, with rows that fold nothing contributing nothing.
+``"tiled"``) up to the order of fp32 sums, for rows grouped by expert in any
+order within an expert, for one projection or several read from a stacked
+pool, with rows that fold nothing contributing nothing. No branch depends on
+the rows.
 The jnp form of the grouped matmuls runs everywhere; the CUDA kernels are
 checked against it in bf16 on the GPU.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import zlib
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -32,17 +34,24 @@ def rng(request):
 
 def _rows(rng, route, M: int, *, sort: bool):
     """Random rows of ``route``: adapter and expert per row (some outside the
-    tables), their flat cells ``l * E + e`` and whether each folds."""
+    tables), their flat cells ``l * E + e`` and whether each folds. ``sort``:
+    rows grouped by expert (experts outside the tables first and last), in a
+    random order within an expert."""
     L, E = route.max_loras, route.n_experts
     adapter = rng.integers(-1, L + 1, M).astype(np.int32)
     expert = rng.integers(-1, E + 1, M).astype(np.int32)
     if sort:
-        order = np.lexsort((adapter, expert))
+        order = np.lexsort((rng.random(M), expert))
         adapter, expert = adapter[order], expert[order]
     _, _, _, ok = jnp_fold.resolve_pairs(route, jnp.asarray(adapter), jnp.asarray(expert))
     l = np.zeros_like(adapter) if L == 1 else adapter
     cell = (np.clip(l, 0, L - 1) * E + np.clip(expert, 0, E - 1)).astype(np.int32)
     return jnp.asarray(adapter), jnp.asarray(expert), jnp.asarray(cell), ok
+
+
+def _offsets(expert, E: int):
+    """The expert groups of rows grouped by expert: int32 ``[E + 1]``."""
+    return jnp.asarray(np.searchsorted(np.asarray(expert), np.arange(E + 1)), jnp.int32)
 
 
 def _rel(got, want) -> float:
@@ -85,9 +94,10 @@ def test_by_expert_a_value_not_finite_stays_in_its_cells_cotangents(rng):
     bad = route.replace(a_pool=jnp.asarray(a_pool))
     x = jnp.asarray(rng.normal(size=(M, 16)), jnp.float32)
     g = jnp.asarray(rng.normal(size=(M, 24)), jnp.float32)
-    run = jax.jit(lambda x, m, k: grouped_vjp.lora_grads(x, [m], k, impl="jnp"))
-    dx, _ = run(x, grouped_vjp.member(route, g), key)
-    dx_bad, (grads,) = run(x, grouped_vjp.member(bad, g), key)
+    run = jax.jit(lambda x, m, k, o: grouped_vjp.lora_grads(x, [m], k, o, impl="jnp"))
+    off = _offsets(expert, 4)
+    dx, _ = run(x, grouped_vjp.member(route, g), key, off)
+    dx_bad, (grads,) = run(x, grouped_vjp.member(bad, g), key, off)
     assert np.isfinite(np.asarray(dx_bad)).all()
     cells = np.asarray(route.a_table).T.reshape(-1)  # cell e * L + l's A slot
     other = (k < 12) & (cells[np.minimum(k, 11)] != slot)
@@ -98,31 +108,64 @@ def test_by_expert_a_value_not_finite_stays_in_its_cells_cotangents(rng):
     assert np.isnan(np.asarray(grads.d_b_pool)[b_slot]).any()
 
 
-@pytest.mark.parametrize("sort", [True, False], ids=["sorted", "unsorted"])
-def test_lora_grads_takes_rows_in_any_order(rng, sort):
-    """``lora_grads`` on rows in the caller's order (dx in that order) equals
-    the grouped backward of the same rows sorted by hand."""
-    route = make_route(rng, P=9, R=8, K=16, N=24, L=2, E=4)
+@pytest.mark.parametrize("L", [1, 2])
+def test_rows_need_no_order_within_an_expert(rng, L):
+    """Rows grouped by expert in a random order within each expert (rows that
+    fold nothing among them) give the cotangents of the same rows sorted by
+    cell; rows that fold nothing keep ``acc``."""
+    route = make_route(rng, P=9, R=8, K=16, N=24, L=L, E=4)
+    cells = (1 + np.arange(L)[:, None] * 4 + np.arange(4)[None, :]).astype(np.int32)
+    cells[0, 1] = 0  # expert 1's first cell folds nothing
+    route = route.replace(a_table=jnp.asarray(cells), b_table=jnp.asarray(cells[:, ::-1]))
     M = 50
-    adapter, expert, _, ok = _rows(rng, route, M, sort=sort)
-    key = grouped_vjp.cell_keys(2, 4, adapter, expert, ok)
+    adapter, expert, _, ok = _rows(rng, route, M, sort=True)
+    key = grouped_vjp.cell_keys(L, 4, adapter, expert, ok)
     x = jnp.asarray(rng.normal(size=(M, 16)), jnp.float32)
     g = jnp.asarray(rng.normal(size=(M, 24)), jnp.float32)
     acc = jnp.asarray(rng.normal(size=(M, 16)), jnp.float32)
-    m = grouped_vjp.member(route, g)
-    dx, (grads,) = jax.jit(
-        lambda x, m, k, a: grouped_vjp.lora_grads(x, [m], k, impl="jnp", acc=a))(x, m, key, acc)
+    run = jax.jit(lambda x, m, k, o, a: grouped_vjp.lora_grads(x, [m], k, o, impl="jnp", acc=a))
+    dx, (grads,) = run(x, grouped_vjp.member(route, g), key, _offsets(expert, 4), acc)
     order = np.argsort(np.asarray(key), kind="stable")
-    m_sorted = grouped_vjp.member(route, g[order])
-    dx_s, (grads_s,) = grouped_vjp.lora_grads_sorted(x[order], [m_sorted], key[order],
-                                                     impl="jnp", acc=acc[order])
+    assert (order != np.arange(M)).any()
+    skey = key[order]
+    dx_s, (grads_s,) = run(x[order], grouped_vjp.member(route, g[order]), skey,
+                           grouped_vjp.expert_offsets_of(skey, L, 4), acc[order])
     np.testing.assert_allclose(np.asarray(dx)[order], np.asarray(dx_s), rtol=1e-6, atol=1e-6)
     for a, b in zip(grads, grads_s):
+        assert np.abs(np.asarray(b)).max() > 0
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
-    # rows that fold nothing keep acc
-    skipped = np.asarray(key) == 2 * 4
-    assert skipped.any()
+    skipped = np.asarray(key) == L * 4
+    assert skipped.any() and (np.asarray(expert)[skipped] >= 0).any()  # some inside a group
     np.testing.assert_array_equal(np.asarray(dx)[skipped], np.asarray(acc)[skipped])
+
+
+def test_one_branch_and_it_reads_the_tables_only(rng):
+    """The backward of gate and up has one ``cond`` (how the pool cotangents
+    are summed), whose predicate depends on the tables, not on the rows."""
+    route = make_route(rng, P=9, R=8, K=16, N=24, L=2, E=4)
+    M = 40
+    adapter, expert, _, ok = _rows(rng, route, M, sort=True)
+    key = grouped_vjp.cell_keys(2, 4, adapter, expert, ok)
+    x = jnp.asarray(rng.normal(size=(M, 16)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(M, 24)), jnp.float32)
+    members = [grouped_vjp.member(route, g), grouped_vjp.member(route, 2 * g)]
+    jaxpr = jax.make_jaxpr(lambda x, k, o, ms: grouped_vjp.lora_grads(x, ms, k, o, impl="jnp"))(
+        x, key, _offsets(expert, 4), members)
+    conds = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in ("cond", "while")]
+    assert [e.primitive.name for e in conds] == ["cond"]
+    # the inputs the predicate depends on: the members' slot tables only
+    need, producers = {conds[0].invars[0]}, {v: e for e in jaxpr.jaxpr.eqns for v in e.outvars}
+    frontier = list(need)
+    while frontier:
+        e = producers.get(frontier.pop())
+        for v in (e.invars if e is not None else []):
+            if isinstance(v, jax.extend.core.Var) and v not in need:
+                need.add(v)
+                frontier.append(v)
+    leaves = jax.tree_util.tree_leaves_with_path(members)
+    names = ["x", "key", "offsets"] + [jax.tree_util.keystr(p) for p, _ in leaves]
+    used = {n for n, v in zip(names, jaxpr.jaxpr.invars) if v in need}
+    assert used and all(n.endswith(("a_slot", "b_slot")) for n in used), used
 
 
 def test_stacked_members_equal_separate_calls(rng):
@@ -139,11 +182,11 @@ def test_stacked_members_equal_separate_calls(rng):
     pools = (st.a_pool, st.b_pool)
     members = [grouped_vjp.member(st.route(s), g, plane=s, g_plane=s, pools=pools)
                for s in range(2)]
-    dx, grads = grouped_vjp.lora_grads_sorted(x, members, key, impl="jnp")
+    off = _offsets(expert, 4)
+    dx, grads = grouped_vjp.lora_grads(x, members, key, off, impl="jnp")
     want_dx = 0.0
     for s, r in enumerate((r0, r1)):
-        d, (gr,) = grouped_vjp.lora_grads_sorted(x, [grouped_vjp.member(r, g[s])], key,
-                                                 impl="jnp")
+        d, (gr,) = grouped_vjp.lora_grads(x, [grouped_vjp.member(r, g[s])], key, off, impl="jnp")
         want_dx = want_dx + np.asarray(d, np.float64)
         for a, b in zip(grads[s], gr):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
@@ -151,31 +194,31 @@ def test_stacked_members_equal_separate_calls(rng):
 
 
 @GPU
-@pytest.mark.parametrize("sort", [True, False], ids=["sorted", "unsorted"])
-def test_kernels_match_the_jnp_form(rng, sort):
+@pytest.mark.parametrize("L", [1, 4])
+def test_kernels_match_the_jnp_form(rng, L):
     """bf16 on the CUDA kernels against the same formulation in jnp: equal
     within bf16 error, the pool and scale cotangents the same bits on a
     second run."""
     dt = jnp.bfloat16
-    route = make_route(rng, P=33, R=16, K=256, N=128, L=4, E=8, dtype=dt)
+    route = make_route(rng, P=33, R=16, K=256, N=128, L=L, E=8, dtype=dt)
     # every cell its own slot (the layout whose pool gradients are deterministic)
-    cells = (1 + np.arange(4)[:, None] * 8 + np.arange(8)[None, :]).astype(np.int32)
+    cells = (1 + np.arange(L)[:, None] * 8 + np.arange(8)[None, :]).astype(np.int32)
     cells[rng.random(cells.shape) < 0.2] = 0
     route = route.replace(a_table=jnp.asarray(cells), b_table=jnp.asarray(cells))
     M = 1500
-    adapter, expert, _, ok = _rows(rng, route, M, sort=sort)
-    key = grouped_vjp.cell_keys(4, 8, adapter, expert, ok)
+    adapter, expert, _, ok = _rows(rng, route, M, sort=True)
+    key = grouped_vjp.cell_keys(L, 8, adapter, expert, ok)
     x = jnp.asarray(rng.normal(size=(M, 256)), dt)
     g = jnp.asarray(rng.normal(size=(M, 128)), dt)
-    run = jax.jit(lambda x, m, k, impl: grouped_vjp.lora_grads(x, [m], k, impl=impl),
-                  static_argnums=3)
-    m = grouped_vjp.member(route, g)
-    dx, (grads,) = run(x, m, key, "fast")
-    dx_j, (grads_j,) = run(x, m, key, "jnp")
+    run = jax.jit(lambda x, m, k, o, impl: grouped_vjp.lora_grads(x, [m], k, o, impl=impl),
+                  static_argnums=4)
+    m, off = grouped_vjp.member(route, g), _offsets(expert, 8)
+    dx, (grads,) = run(x, m, key, off, "fast")
+    dx_j, (grads_j,) = run(x, m, key, off, "jnp")
     assert _rel(dx, dx_j) <= 1e-2
     for a, b in zip(grads, grads_j):
         assert _rel(a, b) <= 1e-2
-    dx2, (grads2,) = run(x, m, key, "fast")
+    dx2, (grads2,) = run(x, m, key, off, "fast")
     np.testing.assert_array_equal(np.asarray(dx2).view(np.uint16), np.asarray(dx).view(np.uint16))
     for a, b in zip(grads, grads2):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -188,15 +231,20 @@ def test_kernels_match_the_jnp_form(rng, sort):
 def test_pool_cotangent_sums_each_slots_cells(rng, dtype, slots):
     """Each pool slot receives the sum of its cells' sums, rounded once to the
     pool's dtype; a slot of no cell gets 0 and a cell of slot -1 is dropped,
-    whether the slots are distinct (taken by a gather) or shared."""
-    P, G = 9, len(slots)
-    cells = rng.normal(size=(G, 2, 3)).astype(np.float32)
-    want = np.zeros((P, 2, 3), np.float32)
-    for g, s in enumerate(slots):
-        if s >= 0:
-            want[s] += cells[g]
-    got = jax.jit(lambda c, s: grouped_vjp._pool_sum(c, s, P, dtype))(
-        jnp.asarray(cells), jnp.asarray(slots, jnp.int32))
-    assert got.dtype == dtype and got.shape == (P, 2, 3)
-    np.testing.assert_array_equal(np.asarray(got, np.float32),
-                                  np.asarray(jnp.asarray(want).astype(dtype), np.float32))
+    whether the slots are distinct (taken by a gather) or shared (then every
+    part of the call is summed by slot: a second part of distinct slots gets
+    the same values either way)."""
+    P = 9
+    parts = [(np.asarray(slots), rng.normal(size=(len(slots), 2, 3)).astype(np.float32)),
+             (np.asarray([0, 4, 8]), rng.normal(size=(3, 2, 3)).astype(np.float32))]
+    got = jax.jit(lambda cs, ss: grouped_vjp._pool_sums(
+        [(c, s, P, dtype) for c, s in zip(cs, ss)]))(
+        [jnp.asarray(c) for _, c in parts], [jnp.asarray(s, jnp.int32) for s, _ in parts])
+    for (sl, cells), out in zip(parts, got):
+        want = np.zeros((P, 2, 3), np.float32)
+        for g, s in enumerate(sl):
+            if s >= 0:
+                want[s] += cells[g]
+        assert out.dtype == dtype and out.shape == (P, 2, 3)
+        np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                      np.asarray(jnp.asarray(want).astype(dtype), np.float32))

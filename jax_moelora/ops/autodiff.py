@@ -210,8 +210,10 @@ def _grouped_members(kernels: bool, x, specs, g, xi, cell, ok):
     gs = g[:, order]
     members = [grouped_vjp.member(r, gs, plane=pl, g_plane=min(i, gs.shape[0] - 1), pools=p)
                for i, (r, p, pl) in enumerate(specs)]
-    dxs, grads = grouped_vjp.lora_grads_sorted(x[xo], members, key[order],
-                                               impl="fast" if kernels else "jnp", separate=True)
+    skey = key[order]
+    dxs, grads = grouped_vjp.lora_grads(x[xo], members, skey,
+                                        grouped_vjp.expert_offsets_of(skey, L, E),
+                                        impl="fast" if kernels else "jnp", separate=True)
     out = []
     for dx_rows, gr, (r, _, _) in zip(dxs, grads, specs):
         dx = jnp.zeros(x.shape, _F32).at[xo].add(dx_rows.astype(_F32))

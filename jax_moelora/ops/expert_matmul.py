@@ -307,7 +307,7 @@ def _route_ct(route: MoeExpertRoute, grads: grouped_vjp.ProjectionGrads) -> MoeE
                                     grads.d_scale.reshape(E, L).T)
 
 
-def _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra):
+def _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra, impl: str = "fast"):
     """dx of the folds (or None without LoRA) and the routes' cotangents, by
     the grouped matmuls of ``ops/grouped_vjp.py`` over (adapter, expert)
     cells: gate and up together where their tables have one shape."""
@@ -322,29 +322,33 @@ def _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra):
         shapes.setdefault((routes[i].max_loras, routes[i].n_experts), []).append(i)
     expert, _, adapter, ok = jnp_fold.grouped_rows(offsets, stids, ra, x_rows=M, row_offset=0,
                                                    row_end=M, x_gather=0)
+    E = offsets.shape[0] - 1
     for (L, Et), idx in shapes.items():
         key = grouped_vjp.cell_keys(L, Et, adapter, expert, ok)
         members = [grouped_vjp.member(routes[i], gs, g_plane=i) for i in idx]
-        dx, grads = grouped_vjp.lora_grads(xs, members, key, impl="fast", acc=dx)
+        # the tables' experts: the GEMM's first E_t groups (none past its E)
+        lora_offsets = jnp.concatenate([offsets[:Et + 1],
+                                        jnp.broadcast_to(offsets[E:], (max(Et - E, 0),))])
+        dx, grads = grouped_vjp.lora_grads(xs, members, key, lora_offsets, impl=impl, acc=dx)
         for i, gr in zip(idx, grads):
             droutes[i] = _route_ct(routes[i], gr)
     return dx, droutes
 
 
-def _bwd_kernel(args, gs, need_x: bool, need_w: bool):
+def _bwd_kernel(args, gs, need_x: bool, need_w: bool, impl: str = "fast"):
     """The backward on the grouped-GEMM kernels: ``dx = sum_i g_i w_i^T`` (the
     weights read transposed in place) plus the folds' ``dx``; ``dw_i[e] =
     xs_e^T g_i`` only when the weights are differentiated."""
     xs, ws, offsets, stids, routes, ra = args
-    dx, droutes = _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra)
+    dx, droutes = _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra, impl)
     if need_x:
         for i, w in enumerate(ws):
             dx = gm.gmm([gm.GmmSet(gs, w, offsets, None, i, 0)], transpose_rhs=True,
-                        acc=None if dx is None else [dx], impl="fast")[0]
+                        acc=None if dx is None else [dx], impl=impl)[0]
     dws = None
     if need_w:
         sets = [gm.TgmmSet(xs, gs, offsets, 0, i) for i in range(len(ws))]
-        dws = tuple(d.astype(w.dtype) for d, w in zip(gm.tgmm(sets, impl="fast"), ws))
+        dws = tuple(d.astype(w.dtype) for d, w in zip(gm.tgmm(sets, impl=impl), ws))
     return (dx if need_x else None), dws, droutes
 
 
