@@ -36,12 +36,8 @@ __global__ void __launch_bounds__(256) setup_problems(Problems<C> p, ExpertGemmA
         const bool ext = a.xa_ext[wi] != nullptr && e < a.ext_experts[wi];
         const int kx = ext ? int(a.ext_k[wi]) : 0;
         constexpr int kBlkK = cute::size<2>(TileShape{});
-        p.split_k[g] = SplitK{int(K), kx};
+        p.lora_k[g] = LoraK{int(K), kx, int(lo), int(e), int(wi)};
         if (ext) p.shapes[g] = typename C::Shape{m, int(N), int((K + kBlkK - 1) / kBlkK * kBlkK + kx)};
-        p.ptr_a2[g] = ext ? static_cast<const T*>(a.xa_ext[wi]) + lo * kx : nullptr;
-        p.ptr_b2[g] = ext ? static_cast<const T*>(a.b_ext[wi]) + e * kx * N : nullptr;
-        p.stride_a2[g] = cutlass::make_cute_packed_stride(typename C::StrideA{}, {m, kx, 1});
-        p.stride_b2[g] = cutlass::make_cute_packed_stride(typename C::StrideB{}, {int(N), kx, 1});
       }
     }
     return;
@@ -76,7 +72,17 @@ cudaError_t run(const ExpertGemmArgs& a, cudaStream_t stream) {
       std::min<int64_t>((vectors + kThreads - 1) / kThreads, int64_t(a.sm_count) * 4);
   setup_problems<C><<<unsigned(1 + std::max<int64_t>(zero_blocks, 1)), kThreads, 0, stream>>>(p, a);
   if (cudaError_t err = cudaPeekAtLastError(); err != cudaSuccess) return err;
-  if (cudaError_t err = run_grouped_gemm<C>(p, groups, a.sm_count, 0.0f, a.scratch, l, stream);
+  LoraExt ext;
+  for (int64_t wi = 0; wi < a.num_weights && C::kLoraK; ++wi) {
+    if (a.xa_ext[wi] == nullptr) continue;
+    ext.a[wi] = a.xa_ext[wi];
+    ext.b[wi] = a.b_ext[wi];
+    ext.rows[wi] = int32_t(a.M);
+    ext.k_ext[wi] = int32_t(a.ext_k[wi]);
+    ext.experts[wi] = int32_t(a.ext_experts[wi]);
+  }
+  ext.n = int32_t(a.N);
+  if (cudaError_t err = run_grouped_gemm<C>(p, groups, a.sm_count, 0.0f, a.scratch, l, stream, ext);
       err != cudaSuccess)
     return err;
   // For initcheck: every output row is written (rows below offsets[E] by the

@@ -24,7 +24,7 @@ template <> struct ElementOf<DType::kF16> { using type = cutlass::half_t; };
 // second operand pair's arrays for a config without it, kLoraK).
 struct ScratchLayout {
   int64_t shapes, ptr_a, ptr_b, ptr_c, ptr_d, stride_a, stride_b, stride_c, stride_d, ptr_alpha,
-      one, ptr_a2, ptr_b2, stride_a2, stride_b2, split_k, workspace, total;
+      one, lora_k, workspace, total;
 };
 
 // The device arrays of one launch (typed views into the scratch buffer).
@@ -44,28 +44,44 @@ struct Problems {
   typename C::StrideD* stride_d;
   const float** ptr_alpha;  // per-group alpha (D = alpha * acc + beta * C), or nullptr: 1
   float* one;               // a 1.0f for groups without an alpha
-  // The second operand pair of a kLoraK config (lora_k_mainloop.cuh), else nullptr.
-  const T** ptr_a2;
-  const T** ptr_b2;
-  typename C::StrideA* stride_a2;
-  typename C::StrideB* stride_b2;
-  SplitK* split_k;
+  // Where each group of a kLoraK config (lora_k_mainloop.cuh) reads its
+  // second operand pair, else nullptr.
+  LoraK* lora_k;
+};
+
+// The second operand pairs of a kLoraK launch, whole, per weight set
+// (lora_k_mainloop.cuh's ExtPair): a [rows, k_ext], b [experts, k_ext, n];
+// a[s] == nullptr: weight set s has none.
+struct LoraExt {
+  const void* a[kLoraKMaxSets] = {};
+  const void* b[kLoraKMaxSets] = {};
+  int32_t rows[kLoraKMaxSets] = {}, k_ext[kLoraKMaxSets] = {}, experts[kLoraKMaxSets] = {};
+  int32_t n = 0;
 };
 
 // The mainloop's arguments: the operand pointers and strides (and the
-// second pair's of a kLoraK config).
+// second pairs of a kLoraK config).
 template <class C>
-typename C::Gemm::GemmKernel::MainloopArguments mainloop_arguments(const Problems<C>& p) {
-  if constexpr (C::kLoraK)
-    return {p.ptr_a, p.stride_a, p.ptr_b, p.stride_b, p.ptr_a2, p.stride_a2, p.ptr_b2,
-            p.stride_b2, p.split_k};
-  else
+typename C::Gemm::GemmKernel::MainloopArguments mainloop_arguments(const Problems<C>& p,
+                                                                   const LoraExt& ext) {
+  if constexpr (C::kLoraK) {
+    using Mainloop = typename C::CollectiveMainloop;
+    using T = typename C::ElementAB;
+    typename C::Gemm::GemmKernel::MainloopArguments m{p.ptr_a, p.stride_a, p.ptr_b, p.stride_b,
+                                                      {}, p.lora_k};
+    for (int s = 0; s < kLoraKMaxSets; ++s)
+      m.ext[s] = typename Mainloop::ExtPair{static_cast<const T*>(ext.a[s]),
+                                            static_cast<const T*>(ext.b[s]), ext.rows[s],
+                                            ext.k_ext[s], ext.experts[s], ext.n};
+    return m;
+  } else {
     return {p.ptr_a, p.stride_a, p.ptr_b, p.stride_b};
+  }
 }
 
 template <class C>
 typename C::Gemm::Arguments gemm_arguments(const Problems<C>& p, int64_t groups, int sm_count,
-                                           float beta) {
+                                           float beta, const LoraExt& ext = {}) {
   using Gemm = typename C::Gemm;
   cutlass::KernelHardwareInfo hw;
   hw.device_id = 0;  // read only when sm_count <= 0, which the handlers reject
@@ -73,7 +89,7 @@ typename C::Gemm::Arguments gemm_arguments(const Problems<C>& p, int64_t groups,
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {int(groups), p.shapes, nullptr},  // device shapes only: no host copy
-      mainloop_arguments<C>(p),
+      mainloop_arguments<C>(p, ext),
       {{}, p.ptr_c, p.stride_c, p.ptr_d, p.stride_d},
       hw};
   args.epilogue.thread.alpha = 1.0f;
@@ -105,12 +121,7 @@ ScratchLayout scratch_layout(int64_t groups, int sm_count) {
   l.stride_d = take(groups * int64_t(sizeof(typename C::StrideD)));
   l.ptr_alpha = take(c_groups * int64_t(sizeof(float*)));
   l.one = take(C::kHasC ? int64_t(sizeof(float)) : 0);
-  const int64_t k_groups = C::kLoraK ? groups : 0;
-  l.ptr_a2 = take(k_groups * int64_t(sizeof(void*)));
-  l.ptr_b2 = take(k_groups * int64_t(sizeof(void*)));
-  l.stride_a2 = take(k_groups * int64_t(sizeof(typename C::StrideA)));
-  l.stride_b2 = take(k_groups * int64_t(sizeof(typename C::StrideB)));
-  l.split_k = take(k_groups * int64_t(sizeof(SplitK)));
+  l.lora_k = take((C::kLoraK ? groups : 0) * int64_t(sizeof(LoraK)));
   l.workspace = take(workspace_bytes<C>(groups, sm_count));
   l.total = at;
   return l;
@@ -131,11 +142,7 @@ Problems<C> problems_in(void* scratch, const ScratchLayout& l) {
            reinterpret_cast<typename C::StrideD*>(base + l.stride_d),
            C::kHasC ? reinterpret_cast<const float**>(base + l.ptr_alpha) : nullptr,
            C::kHasC ? reinterpret_cast<float*>(base + l.one) : nullptr,
-           C::kLoraK ? reinterpret_cast<const typename P::T**>(base + l.ptr_a2) : nullptr,
-           C::kLoraK ? reinterpret_cast<const typename P::T**>(base + l.ptr_b2) : nullptr,
-           C::kLoraK ? reinterpret_cast<typename C::StrideA*>(base + l.stride_a2) : nullptr,
-           C::kLoraK ? reinterpret_cast<typename C::StrideB*>(base + l.stride_b2) : nullptr,
-           C::kLoraK ? reinterpret_cast<SplitK*>(base + l.split_k) : nullptr};
+           C::kLoraK ? reinterpret_cast<LoraK*>(base + l.lora_k) : nullptr};
 }
 
 // Runs the grouped GEMM whose `groups` problems `p` holds (written earlier on
@@ -144,9 +151,10 @@ Problems<C> problems_in(void* scratch, const ScratchLayout& l) {
 // tensor-map copies into the workspace count as writes.
 template <class C>
 cudaError_t run_grouped_gemm(const Problems<C>& p, int64_t groups, int sm_count, float beta,
-                             void* scratch, const ScratchLayout& l, cudaStream_t stream) {
+                             void* scratch, const ScratchLayout& l, cudaStream_t stream,
+                             const LoraExt& ext = {}) {
   typename C::Gemm gemm;
-  const auto args = gemm_arguments<C>(p, groups, sm_count, beta);
+  const auto args = gemm_arguments<C>(p, groups, sm_count, beta, ext);
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
   char* workspace = static_cast<char*>(scratch) + l.workspace;
   if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess)

@@ -11,14 +11,21 @@
 //
 // The K steps of a group: ceil(k / BLK_K) over (A, B), then ceil(k_ext /
 // BLK_K) over (A2, B2); the group's problem K is round_up(k, BLK_K) + k_ext
-// (SplitK holds k and k_ext, since the problem K alone cannot say where the
+// (LoraK holds k and k_ext, since the problem K alone cannot say where the
 // base K ends). TMA fills the parts of a box past k (or k_ext) with zeros,
 // which add nothing, so a row whose A2 row is zero gets the bits of the GEMM
-// without the extension. The second pair is loaded through two more tensor
-// maps per SM, built from the first pair's (same element types, layouts,
-// boxes and swizzles) with the group's addresses, extents and strides. The
-// consumer warpgroups run the base mainloop's MMA loop unchanged: they see
-// ceil(K / BLK_K) stages whatever fills them.
+// without the extension.
+//
+// The second pair is loaded through tensor maps of each weight set's whole
+// operands, built on the host with the kernel's parameters: A2 over all the
+// set's rows [M, k_ext], B2 over its experts' blocks [E, k_ext, N]; a group
+// reads them at its first row and its expert (LoraK). They never change
+// while the kernel runs, so a change of group updates and fences only the
+// first pair's maps, as the plain kernel does. A tile of A2 may run past its
+// group's rows into the next group's: those rows of the accumulator are not
+// stored (the epilogue's map ends at the group's rows). The consumer
+// warpgroups run the base mainloop's MMA loop unchanged: they see ceil(K /
+// BLK_K) stages whatever fills them.
 //
 // Everything else (tile scheduler, epilogue, kernel) is CUTLASS's: the kernel
 // calls the mainloop's members by name, and this type derives from the
@@ -30,14 +37,22 @@
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/gemm/collective/collective_builder.hpp"
+#include "moelora_constants.h"
 
 namespace moelora::expert_gemm {
 
-// A group's K split: the base pair's k and the extension's k_ext (0: none).
-struct SplitK {
+// A group's K split (the base pair's k, the extension's k_ext: 0 for none)
+// and where it reads the second pair: its first row of A2, its expert in B2,
+// its weight set's maps.
+struct LoraK {
   int32_t k;
   int32_t k_ext;
+  int32_t ext_row;
+  int32_t ext_expert;
+  int32_t ext_set;
 };
+
+inline constexpr int kLoraKMaxSets = kExpertMatmulMaxWeights;  // weight sets of a launch
 
 template <class Base>
 struct LoraKMainloop : Base {
@@ -52,37 +67,47 @@ struct LoraKMainloop : Base {
   using typename Base::StrideA;
   using typename Base::StrideB;
   using typename Base::TensorStorage;
+  using typename Base::TensorMapStorage;
   using typename Base::TileShape;
+  using TMA_A = typename Base::TMA_A;
 
   static_assert(cute::size(typename Base::DispatchPolicy::ClusterShape{}) == 1, "one CTA per cluster (no multicast)");
   static_assert(Base::IsGroupedGemmKernel, "per-group strides");
+  static_assert(cute::is_same_v<cute::remove_cvref_t<decltype(cute::get<0>(InternalStrideB{}))>,
+                                cute::Int<1>>, "B is N-major");
   static constexpr int kBlkK = cute::size<2>(TileShape{});
+
+  // B2 as (N, k_ext, expert): one more dynamic stride than B.
+  using StrideB2 = cute::Stride<cute::Int<1>, int64_t, int64_t>;
+  using TMA_B2 = decltype(cute::make_tma_copy(
+      typename Base::GmemTiledCopyB{},
+      cute::make_tensor(static_cast<InternalElementB const*>(nullptr),
+                        cute::repeat_like(StrideB2{}, int32_t(0)), StrideB2{}),
+      typename Base::SmemLayoutB{}(cute::_, cute::_, cute::Int<0>{}),
+      cute::make_shape(cute::shape<1>(TileShape{}), cute::shape<2>(TileShape{})), cute::Int<1>{}));
+
+  // A weight set's second pair, whole: a [rows, k_ext] row-major, b
+  // [experts, k_ext, n] row-major. a == nullptr: the set has none.
+  struct ExtPair {
+    ElementA const* a;
+    ElementB const* b;
+    int32_t rows, k_ext, experts, n;
+  };
 
   struct Arguments {
     ElementA const** ptr_A;
     StrideA dA;
     ElementB const** ptr_B;
     StrideB dB;
-    ElementA const** ptr_A2;  // per group; read only where k_ext > 0
-    StrideA dA2;
-    ElementB const** ptr_B2;
-    StrideB dB2;
-    SplitK const* split_k;    // per group
+    ExtPair ext[kLoraKMaxSets];
+    LoraK const* lora_k;  // per group
   };
 
   struct Params : Base::Params {
-    InternalElementA const** ptr_A2;
-    StrideA dA2;
-    InternalElementB const** ptr_B2;
-    StrideB dB2;
-    SplitK const* split_k;
-  };
-
-  struct TensorMapStorage : cute::aligned_struct<128, cute::_0> {
-    cute::TmaDescriptor smem_tensormap_A;
-    cute::TmaDescriptor smem_tensormap_B;
-    cute::TmaDescriptor smem_tensormap_A2;
-    cute::TmaDescriptor smem_tensormap_B2;
+    TMA_A tma_load_a2[kLoraKMaxSets];
+    TMA_B2 tma_load_b2[kLoraKMaxSets];
+    ExtPair ext[kLoraKMaxSets];
+    LoraK const* lora_k;
   };
 
   static typename Base::Arguments base_arguments(Arguments const& a) {
@@ -92,21 +117,44 @@ struct LoraKMainloop : Base {
   template <class ProblemShape>
   static constexpr Params to_underlying_arguments(ProblemShape shapes, Arguments const& a,
                                                   void* workspace) {
+    using namespace cute;
     Params p{};
     static_cast<typename Base::Params&>(p) =
         Base::to_underlying_arguments(shapes, base_arguments(a), workspace);
-    p.ptr_A2 = reinterpret_cast<InternalElementA const**>(a.ptr_A2);
-    p.dA2 = a.dA2;
-    p.ptr_B2 = reinterpret_cast<InternalElementB const**>(a.ptr_B2);
-    p.dB2 = a.dB2;
-    p.split_k = a.split_k;
+    // A set without a second pair gets maps of a placeholder (never read):
+    // the address of the pointer array, 16-byte aligned, as the base pair's.
+    auto* any_a = reinterpret_cast<InternalElementA const*>(
+        reinterpret_cast<uint64_t>(a.ptr_A) & 0xFFFFFFFFFFFFFFF0);
+    auto* any_b = reinterpret_cast<InternalElementB const*>(
+        reinterpret_cast<uint64_t>(a.ptr_B) & 0xFFFFFFFFFFFFFFF0);
+    for (int s = 0; s < kLoraKMaxSets; ++s) {
+      ExtPair e = a.ext[s];
+      const bool on = e.a != nullptr;
+      if (!on) e = ExtPair{nullptr, nullptr, 1, 1, 1, 1};
+      Tensor ta = make_tensor(on ? reinterpret_cast<InternalElementA const*>(e.a) : any_a,
+                              make_layout(make_shape(e.rows, e.k_ext, 1),
+                                          InternalStrideA{int64_t(e.k_ext), Int<1>{}, Int<0>{}}));
+      Tensor tb = make_tensor(on ? reinterpret_cast<InternalElementB const*>(e.b) : any_b,
+                              make_layout(make_shape(e.n, e.k_ext, e.experts),
+                                          StrideB2{Int<1>{}, int64_t(e.n),
+                                                   int64_t(e.n) * e.k_ext}));
+      p.tma_load_a2[s] = make_tma_copy(typename Base::GmemTiledCopyA{}, ta,
+                                       typename Base::SmemLayoutA{}(_, _, Int<0>{}),
+                                       make_shape(shape<0>(TileShape{}), shape<2>(TileShape{})),
+                                       Int<1>{});
+      p.tma_load_b2[s] = make_tma_copy(typename Base::GmemTiledCopyB{}, tb,
+                                       typename Base::SmemLayoutB{}(_, _, Int<0>{}),
+                                       make_shape(shape<1>(TileShape{}), shape<2>(TileShape{})),
+                                       Int<1>{});
+      p.ext[s] = e;
+    }
+    p.lora_k = a.lora_k;
     return p;
   }
 
-  // Four tensor maps per SM: A, B, A2, B2.
   template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int sm_count) {
-    return 4 * sizeof(cute::TmaDescriptor) * size_t(sm_count);
+  static size_t get_workspace_size(ProblemShape const& shapes, Arguments const& a, int sm_count) {
+    return Base::get_workspace_size(shapes, base_arguments(a), sm_count);
   }
 
   template <class ProblemShape>
@@ -120,10 +168,17 @@ struct LoraKMainloop : Base {
     return Base::can_implement(shapes, base_arguments(a));
   }
 
-  // K steps of the current group over the base pair (set by
-  // tensormaps_perform_update, which the producer warp calls for a group
-  // before it loads the group's tiles).
-  int base_k_tiles_ = 0;
+  // The current group's LoraK (set by tensors_perform_update, which the
+  // producer warp calls for a group before it loads the group's tiles).
+  LoraK group_{};
+
+  template <class InputTensors, class ProblemShape_MNKL>
+  CUTLASS_DEVICE InputTensors tensors_perform_update(InputTensors const& inputs,
+                                                     Params const& params, ProblemShape_MNKL,
+                                                     int32_t group) {
+    group_ = params.lora_k[group];
+    return inputs;
+  }
 
   template <class TensorA, class TensorB, class TensorMaps, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline,
@@ -134,6 +189,47 @@ struct LoraKMainloop : Base {
                            uint32_t /*block_rank_in_cluster*/, TensorStorage& shared_tensors) {
     using namespace cute;
     if (!elect_one_sync()) return;
+    if (group_.ext_set == 0)
+      load_tile(params, params.tma_load_a2[0], params.tma_load_b2[0], params.ext[0], pipeline,
+                smem_pipe_write, load_inputs, tensormaps, blk_coord, k_tile_iter, k_tile_count,
+                shared_tensors);
+    else
+      load_tile(params, params.tma_load_a2[1], params.tma_load_b2[1], params.ext[1], pipeline,
+                smem_pipe_write, load_inputs, tensormaps, blk_coord, k_tile_iter, k_tile_count,
+                shared_tensors);
+  }
+
+  // A/B extents and addresses per group, the base K only (the problem K
+  // counts the extension's steps too).
+  template <class TensorMaps, class ProblemShape_MNKL>
+  CUTLASS_DEVICE void tensormaps_perform_update(TensorMapStorage& smem, Params const& params,
+                                                TensorMaps const&, ProblemShape_MNKL shape,
+                                                int32_t group) {
+    if (cute::elect_one_sync()) {
+      const uint32_t M = cute::get<0>(shape), N = cute::get<1>(shape);
+      const uint32_t k = uint32_t(params.lora_k[group].k);
+      cute::tma_descriptor_replace_addr_in_shared_mem(smem.smem_tensormap_A, params.ptr_A[group]);
+      cute::tma_descriptor_replace_addr_in_shared_mem(smem.smem_tensormap_B, params.ptr_B[group]);
+      replace_extents(smem.smem_tensormap_A, params.tma_load_a, M, k, params.dA[group],
+                      static_cast<InternalElementA const*>(nullptr));
+      replace_extents(smem.smem_tensormap_B, params.tma_load_b, N, k, params.dB[group],
+                      static_cast<InternalElementB const*>(nullptr));
+    }
+  }
+
+ private:
+  // One tile's K steps: the base pair through the group's tensor maps, then
+  // the second pair through its weight set's maps (in the kernel's parameters).
+  template <class TensorA, class TensorB, class TensorMaps, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load_tile(Params const& params, TMA_A const& tma_a2, TMA_B2 const& tma_b2,
+                                ExtPair const& ext, MainloopPipeline& pipeline,
+                                PipelineState& smem_pipe_write,
+                                cute::tuple<TensorA, TensorB> const& load_inputs,
+                                TensorMaps const& tensormaps, BlockCoord const& blk_coord,
+                                KTileIterator& k_tile_iter, int k_tile_count,
+                                TensorStorage& shared_tensors) {
+    using namespace cute;
+    using X = Underscore;
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()),
                             typename Base::SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()),
@@ -141,13 +237,22 @@ struct LoraKMainloop : Base {
     auto tma_a = params.tma_load_a.get_slice(0);
     auto tma_b = params.tma_load_b.get_slice(0);
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
-    // TMA coordinates (BLK, BLK_K, k): the same for both pairs, each pair
-    // counting its own K steps from 0.
     Tensor tAgA = tma_a.partition_S(get<0>(load_inputs)(_, _, m_coord, _, l_coord));
     Tensor tAsA = tma_a.partition_D(sA);
     Tensor tBgB = tma_b.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord));
     Tensor tBsB = tma_b.partition_D(sB);
-    const int base_tiles = base_k_tiles_;
+    // The second pair: A2 from the group's first row, B2 at its expert; each
+    // pair counts its own K steps from 0.
+    Tensor mA2 = domain_offset(make_coord(group_.ext_row, 0, 0),
+                               tma_a2.get_tma_tensor(make_shape(ext.rows, ext.k_ext, 1)));
+    Tensor gA2 = local_tile(mA2, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});
+    Tensor mB2 = tma_b2.get_tma_tensor(make_shape(ext.n, ext.k_ext, ext.experts));
+    Tensor gB2 = local_tile(mB2, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{});
+    auto tma_a2_slice = tma_a2.get_slice(0);
+    auto tma_b2_slice = tma_b2.get_slice(0);
+    Tensor tA2gA2 = tma_a2_slice.partition_S(gA2(_, _, m_coord, _, 0));
+    Tensor tB2gB2 = tma_b2_slice.partition_S(gB2(_, _, n_coord, _, group_.ext_expert));
+    const int base_tiles = (group_.k + kBlkK - 1) / kBlkK;
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count, ++k_tile_iter, ++smem_pipe_write) {
       pipeline.producer_acquire(smem_pipe_write);
@@ -160,83 +265,12 @@ struct LoraKMainloop : Base {
         copy(params.tma_load_b.with(get<1>(tensormaps), *barrier, 0), tBgB(_, _, _, k),
              tBsB(_, _, _, stage));
       } else {
-        copy(params.tma_load_a.with(get<2>(tensormaps), *barrier, 0), tAgA(_, _, _, k - base_tiles),
-             tAsA(_, _, _, stage));
-        copy(params.tma_load_b.with(get<3>(tensormaps), *barrier, 0), tBgB(_, _, _, k - base_tiles),
-             tBsB(_, _, _, stage));
+        copy(tma_a2.with(*barrier, 0), tA2gA2(_, _, _, k - base_tiles), tAsA(_, _, _, stage));
+        copy(tma_b2.with(*barrier, 0), tB2gB2(_, _, _, k - base_tiles), tBsB(_, _, _, stage));
       }
     }
   }
 
-  CUTLASS_DEVICE auto tensormaps_init(Params const& params, TensorMapStorage& smem, int32_t sm_count,
-                                      int32_t sm_idx) {
-    using namespace cute;
-    TmaDescriptor* gmem = reinterpret_cast<TmaDescriptor*>(params.tensormaps);
-    if (elect_one_sync()) {
-      // A2 and B2 start as copies of A's and B's maps (same boxes and swizzles).
-      Tensor pA = make_tensor(params.tma_load_a.get_tma_descriptor(), Int<1>{}, Int<1>{});
-      Tensor pB = make_tensor(params.tma_load_b.get_tma_descriptor(), Int<1>{}, Int<1>{});
-      TmaDescriptor* dst[4] = {&smem.smem_tensormap_A, &smem.smem_tensormap_B,
-                               &smem.smem_tensormap_A2, &smem.smem_tensormap_B2};
-      for (int i = 0; i < 4; ++i) {
-        Tensor s = make_tensor(make_smem_ptr(dst[i]), Int<1>{}, Int<1>{});
-        copy(recast<uint128_t>(i % 2 == 0 ? pA : pB), recast<uint128_t>(s));
-      }
-    }
-    __syncwarp();
-    return make_tuple(&gmem[sm_idx], &gmem[sm_idx + sm_count], &gmem[sm_idx + 2 * sm_count],
-                      &gmem[sm_idx + 3 * sm_count]);
-  }
-
-  template <class TensorMaps, class ProblemShape_MNKL>
-  CUTLASS_DEVICE void tensormaps_perform_update(TensorMapStorage& smem, Params const& params,
-                                                TensorMaps const&, ProblemShape_MNKL shape,
-                                                int32_t group) {
-    const SplitK split = params.split_k[group];
-    base_k_tiles_ = (split.k + kBlkK - 1) / kBlkK;
-    if (cute::elect_one_sync()) {
-      const uint32_t M = cute::get<0>(shape), N = cute::get<1>(shape);
-      cute::tma_descriptor_replace_addr_in_shared_mem(smem.smem_tensormap_A, params.ptr_A[group]);
-      cute::tma_descriptor_replace_addr_in_shared_mem(smem.smem_tensormap_B, params.ptr_B[group]);
-      replace_extents(smem.smem_tensormap_A, params.tma_load_a, M, split.k, params.dA[group],
-                      static_cast<InternalElementA const*>(nullptr));
-      replace_extents(smem.smem_tensormap_B, params.tma_load_b, N, split.k, params.dB[group],
-                      static_cast<InternalElementB const*>(nullptr));
-      if (split.k_ext > 0) {
-        cute::tma_descriptor_replace_addr_in_shared_mem(smem.smem_tensormap_A2,
-                                                        params.ptr_A2[group]);
-        cute::tma_descriptor_replace_addr_in_shared_mem(smem.smem_tensormap_B2,
-                                                        params.ptr_B2[group]);
-        replace_extents(smem.smem_tensormap_A2, params.tma_load_a, M, split.k_ext,
-                        params.dA2[group], static_cast<InternalElementA const*>(nullptr));
-        replace_extents(smem.smem_tensormap_B2, params.tma_load_b, N, split.k_ext,
-                        params.dB2[group], static_cast<InternalElementB const*>(nullptr));
-      }
-    }
-  }
-
-  template <class TensorMaps>
-  CUTLASS_DEVICE void tensormaps_cp_fence_release(TensorMapStorage& smem,
-                                                  TensorMaps const& tensormaps) {
-    if (cute::elect_one_sync()) {
-      cute::tma_desc_commit_group();
-      cute::tma_desc_wait_group();
-    }
-    cute::tma_descriptor_cp_fence_release(cute::get<0>(tensormaps), smem.smem_tensormap_A);
-    cute::tma_descriptor_cp_fence_release(cute::get<1>(tensormaps), smem.smem_tensormap_B);
-    cute::tma_descriptor_cp_fence_release(cute::get<2>(tensormaps), smem.smem_tensormap_A2);
-    cute::tma_descriptor_cp_fence_release(cute::get<3>(tensormaps), smem.smem_tensormap_B2);
-  }
-
-  template <class TensorMaps>
-  CUTLASS_DEVICE void tensormaps_fence_acquire(TensorMaps const& tensormaps) {
-    cute::tma_descriptor_fence_acquire(cute::get<0>(tensormaps));
-    cute::tma_descriptor_fence_acquire(cute::get<1>(tensormaps));
-    cute::tma_descriptor_fence_acquire(cute::get<2>(tensormaps));
-    cute::tma_descriptor_fence_acquire(cute::get<3>(tensormaps));
-  }
-
- private:
   // A tensor map's extents (rows, k) and strides for a group (in place, in
   // shared memory; the element pointer only types the tensor).
   template <class Tma, class Stride, class Element>
