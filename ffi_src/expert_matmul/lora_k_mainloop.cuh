@@ -122,7 +122,8 @@ struct LoraKMainloop : Base {
     static_cast<typename Base::Params&>(p) =
         Base::to_underlying_arguments(shapes, base_arguments(a), workspace);
     // A set without a second pair gets maps of a placeholder (never read):
-    // the address of the pointer array, 16-byte aligned, as the base pair's.
+    // the address of the pointer array, 16-byte aligned, as the base pair's,
+    // with 16-byte strides.
     auto* any_a = reinterpret_cast<InternalElementA const*>(
         reinterpret_cast<uint64_t>(a.ptr_A) & 0xFFFFFFFFFFFFFFF0);
     auto* any_b = reinterpret_cast<InternalElementB const*>(
@@ -130,7 +131,7 @@ struct LoraKMainloop : Base {
     for (int s = 0; s < kLoraKMaxSets; ++s) {
       ExtPair e = a.ext[s];
       const bool on = e.a != nullptr;
-      if (!on) e = ExtPair{nullptr, nullptr, 1, 1, 1, 1};
+      if (!on) e = ExtPair{nullptr, nullptr, 1, 8, 1, 8};
       Tensor ta = make_tensor(on ? reinterpret_cast<InternalElementA const*>(e.a) : any_a,
                               make_layout(make_shape(e.rows, e.k_ext, 1),
                                           InternalStrideA{int64_t(e.k_ext), Int<1>{}, Int<0>{}}));
