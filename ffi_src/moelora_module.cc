@@ -61,6 +61,7 @@ NB_MODULE(_moelora, m) {
   m.attr("GMM") = static_cast<int>(moelora::kGmm);
   m.attr("GMM_RHS_T") = static_cast<int>(moelora::kGmmRhsT);
   m.attr("TGMM") = static_cast<int>(moelora::kTgmm);
+  m.attr("TGMM_ROUNDED") = static_cast<int>(moelora::kTgmmRounded);
   m.def("lora_ext_scratch_bytes", &moelora::lora_ext_scratch_bytes, nb::arg("num_loras"),
         nb::arg("n_experts"), nb::arg("num_experts"), nb::arg("rank"), nb::arg("n"),
         "Bytes of expert_matmul's scratch, after the GEMM's, for one route folded inside "

@@ -79,6 +79,7 @@ GROUPED_MATMUL_MAX_SETS: int = ext.GROUPED_MATMUL_MAX_SETS
 GMM: int = ext.GMM
 GMM_RHS_T: int = ext.GMM_RHS_T
 TGMM: int = ext.TGMM
+TGMM_ROUNDED: int = ext.TGMM_ROUNDED
 
 
 @functools.cache

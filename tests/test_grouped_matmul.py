@@ -122,6 +122,29 @@ def test_tgmm_matches_the_loop(rng, impl, dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_tgmm_rounded_is_the_fp32_sums_rounded_once(rng, impl, dtype):
+    """``rounded=True``: the sums in ``lhs``' dtype, each the fp32 sum of the
+    same call without it rounded to nearest (a group without rows: 0), for
+    two sets in one call."""
+    M, K, N, G = 90, 16, 24, 7
+    dt = jnp.dtype(dtype)
+    sets = []
+    for start in (4, 0):
+        lhs = jnp.asarray(rng.normal(size=(M, K)).astype(dt))
+        rhs = jnp.asarray(rng.normal(size=(M, N)).astype(dt))
+        sets.append(gm.TgmmSet(lhs, rhs, jnp.asarray(_offsets(rng, G, M, start=start))))
+    run = jax.jit(lambda ss, rounded: gm.tgmm(ss, impl=impl, rounded=rounded),
+                  static_argnums=1)
+    exact, rounded = run(sets, False), run(sets, True)
+    for e, r in zip(exact, rounded):
+        assert e.dtype == np.float32 and r.dtype == dt and r.shape == (G, K, N)
+        np.testing.assert_array_equal(np.asarray(r).view(np.uint16),
+                                      np.asarray(e.astype(dt)).view(np.uint16))
+    assert (np.asarray(exact[0]) != 0).any()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_sets_read_planes_in_place(rng, impl):
     """Two sets in one call: planes of a stacked lhs and of a stacked pool,
     each with its own offsets and slots, equal two calls of one set."""

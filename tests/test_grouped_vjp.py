@@ -22,6 +22,7 @@ import pytest
 
 from _transform_cases import make_route
 from jax_moelora.ops import autodiff, backend, grouped_vjp, jnp_fold
+from jax_moelora.ops import grouped_matmul as gm
 from jax_moelora.ops.stacked import stack_routes
 
 GPU = pytest.mark.gpu
@@ -248,3 +249,48 @@ def test_pool_cotangent_sums_each_slots_cells(rng, dtype, slots):
         assert out.dtype == dtype and out.shape == (P, 2, 3)
         np.testing.assert_array_equal(np.asarray(out, np.float32),
                                       np.asarray(jnp.asarray(want).astype(dtype), np.float32))
+
+
+@pytest.mark.parametrize("slots", [[3, -1, 5, 1, 7, 2], [3, 3, 5, -1, 1, 5]],
+                         ids=["distinct", "shared"])
+def test_pool_cotangent_of_sums_made_in_the_branch(rng, slots):
+    """A part's sums may be made inside the branch that takes them: fp32 for
+    the fp32 pool of shared slots, rounded to the pool's dtype for the gather
+    of distinct ones (what the backward's A sums do). The cotangent has the
+    values of the fp32 sums given outright."""
+    P, dt = 9, jnp.bfloat16
+    cells = jnp.asarray(rng.normal(size=(len(slots), 2, 3)).astype(np.float32))
+    sl = jnp.asarray(slots, jnp.int32)
+    asked = []
+
+    def lazy(c, s):
+        def sums(exact):
+            asked.append(exact)
+            return [c if exact else c.astype(dt)]
+        return grouped_vjp._pool_sums([((sums, 0), s, P, dt)])[0]
+
+    got = jax.jit(lazy)(cells, sl)
+    want = jax.jit(lambda c, s: grouped_vjp._pool_sums([(c, s, P, dt)])[0])(cells, sl)
+    assert sorted(asked) == [False, True]  # one call a branch
+    assert got.dtype == dt
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("pool_dtype", [jnp.bfloat16, jnp.float32])
+def test_a_sums_are_rounded_only_outside_the_exact_branch(rng, pool_dtype):
+    """The backward's ``sum d_xa^T x``: fp32 for the exact branch; for the
+    gather, rounded to the pool's dtype by the kernel when that is the
+    operands' (else fp32 too)."""
+    route = make_route(rng, P=9, R=8, K=16, N=24, L=2, E=4, dtype=pool_dtype)
+    M = 40
+    adapter, expert, _, ok = _rows(rng, route, M, sort=True)
+    d_xa = jnp.asarray(rng.normal(size=(M, 16)), jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(M, 16)), jnp.bfloat16)
+    m = grouped_vjp.member(route, jnp.zeros((M, 24), jnp.bfloat16))
+    sums = grouped_vjp._a_sums([gm.TgmmSet(d_xa, x, _offsets(expert, 4))], [m], "jnp")
+    exact, gathered = sums(True)[0], sums(False)[0]
+    assert exact.dtype == jnp.float32 and exact.shape == (8, 8, 16)
+    rounded = jnp.dtype(pool_dtype) == jnp.bfloat16
+    assert gathered.dtype == (jnp.bfloat16 if rounded else jnp.float32)
+    np.testing.assert_array_equal(np.asarray(gathered, np.float32),
+                                  np.asarray(exact.astype(gathered.dtype), np.float32))

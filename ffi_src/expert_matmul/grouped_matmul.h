@@ -19,8 +19,9 @@
 //           then with has_acc one acc_s [M, N] per set (each aliased to its
 //           out_s).
 // results:  out_s per set, kGmm / kGmmRhsT [M, N] in the lhs dtype, kTgmm
-//           f32 [G, K, N]; then scratch u8 [grouped_matmul_scratch_bytes(mode,
-//           total groups, sm_count)].
+//           f32 [G, K, N], kTgmmRounded [G, K, N] in the lhs dtype; then
+//           scratch u8 [grouped_matmul_scratch_bytes(mode, total groups,
+//           sm_count)].
 // attrs:    mode (GroupedMatmulMode), has_slots, has_alpha, has_acc, sm_count,
 //           lhs_plane, rhs_plane (int64 arrays [S]).
 //
@@ -29,7 +30,7 @@
 // with fp32 accumulation and one rounding; every other row is acc[r]
 // (has_acc) or 0. kTgmm: out[g] = sum over the rows r of group g of
 // lhs[r]^T rhs[r] (an outer product), fp32, never rounded; a group without
-// rows gives 0. Every output element is written by one CTA in a fixed order:
+// rows gives 0. kTgmmRounded: the same sums rounded once to lhs' dtype. Every output element is written by one CTA in a fixed order:
 // the results do not vary from run to run.
 //
 // lhs and rhs of every set share one dtype, bf16 or f16; every K and N is a
@@ -49,11 +50,11 @@ namespace moelora {
 // One operand set on the device (pointers already moved to their planes).
 struct GroupedSet {
   const void* lhs;           // [M, K]
-  const void* rhs;           // kGmm [P, K, N], kGmmRhsT [P, N, K], kTgmm [M, N]
+  const void* rhs;           // kGmm [P, K, N], kGmmRhsT [P, N, K], kTgmm* [M, N]
   const int32_t* offsets;    // [groups + 1]
   const int32_t* slots;      // [groups], or nullptr: group g multiplies matrix g
   const float* alpha;        // [groups], or nullptr: 1
-  void* out;                 // [M, N] or f32 [groups, K, N]
+  void* out;                 // [M, N], or [groups, K, N] (f32 for kTgmm)
   int64_t groups, M, K, N, P;
   int64_t first;             // index of the set's first problem in the launch
 };
@@ -71,7 +72,7 @@ struct GroupedMatmulArgs {
 // GemmKernel in expert_matmul.h).
 using GroupedMatmulKernel = GemmKernel<GroupedMatmulArgs>;
 extern const GroupedMatmulKernel kGroupedMatmulBf16Gmm, kGroupedMatmulBf16GmmRhsT,
-    kGroupedMatmulBf16Tgmm, kGroupedMatmulF16Gmm, kGroupedMatmulF16GmmRhsT,
-    kGroupedMatmulF16Tgmm;
+    kGroupedMatmulBf16Tgmm, kGroupedMatmulBf16TgmmRounded, kGroupedMatmulF16Gmm,
+    kGroupedMatmulF16GmmRhsT, kGroupedMatmulF16Tgmm, kGroupedMatmulF16TgmmRounded;
 
 }  // namespace moelora

@@ -21,6 +21,8 @@ const GroupedMatmulKernel* grouped_kernel(ffi::DataType dt, int64_t mode) {
     case kGmm: return bf16 ? &kGroupedMatmulBf16Gmm : &kGroupedMatmulF16Gmm;
     case kGmmRhsT: return bf16 ? &kGroupedMatmulBf16GmmRhsT : &kGroupedMatmulF16GmmRhsT;
     case kTgmm: return bf16 ? &kGroupedMatmulBf16Tgmm : &kGroupedMatmulF16Tgmm;
+    case kTgmmRounded:
+      return bf16 ? &kGroupedMatmulBf16TgmmRounded : &kGroupedMatmulF16TgmmRounded;
     default: return nullptr;
   }
 }
@@ -49,7 +51,8 @@ ffi::Error describe_set(int64_t s, int64_t mode, bool has_slots, bool has_alpha,
                         const ffi::AnyBuffer& offsets, const ffi::AnyBuffer& slots,
                         const ffi::AnyBuffer& alpha, ffi::AnyBuffer out, int64_t lhs_plane,
                         int64_t rhs_plane, GroupedSet* set) {
-  const bool tgmm = mode == kTgmm;
+  const bool tgmm = mode == kTgmm || mode == kTgmmRounded;
+  const ffi::DataType sums = mode == kTgmm ? ffi::DataType::F32 : dt;
   Matrix l{}, r{};
   if (!matrix(lhs, 2, &l)) return invalid(s, "lhs must be [..., M, K]");
   if (!matrix(rhs, tgmm ? 2 : 3, &r))
@@ -84,9 +87,11 @@ ffi::Error describe_set(int64_t s, int64_t mode, bool has_slots, bool has_alpha,
     return invalid(s, "K and N must be multiples of kExpertMatmulAlign");
   const auto od = out.dimensions();
   if (tgmm ? (od.size() != 3 || od[0] != G || od[1] != K || od[2] != N ||
-              out.element_type() != ffi::DataType::F32)
+              out.element_type() != sums)
            : (od.size() != 2 || od[0] != M || od[1] != N || out.element_type() != dt))
-    return invalid(s, tgmm ? "out must be f32 [G, K, N]" : "out must be [M, N] in lhs' dtype");
+    return invalid(s, !tgmm            ? "out must be [M, N] in lhs' dtype"
+                      : mode == kTgmm ? "out must be f32 [G, K, N]"
+                                      : "out must be [G, K, N] in lhs' dtype");
   const int64_t e2 = 2;  // bytes of a bf16 / f16 element
   const int64_t rhs_plane_bytes = (tgmm ? M : P * K) * N * e2;
   set->lhs = plane(lhs, lhs_plane, M * K * e2);
@@ -108,10 +113,10 @@ ffi::Error GroupedMatmulCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
                                  int64_t has_alpha, int64_t has_acc, int64_t sm_count,
                                  ffi::Span<const int64_t> lhs_plane,
                                  ffi::Span<const int64_t> rhs_plane) {
-  if (mode != kGmm && mode != kGmmRhsT && mode != kTgmm)
+  if (mode != kGmm && mode != kGmmRhsT && mode != kTgmm && mode != kTgmmRounded)
     return ffi::Error::InvalidArgument("grouped_matmul: mode");
   if (sm_count < 1) return ffi::Error::InvalidArgument("grouped_matmul: sm_count");
-  const bool acc = has_acc != 0 && mode != kTgmm;
+  const bool acc = has_acc != 0 && (mode == kGmm || mode == kGmmRhsT);
   constexpr int64_t kOperands = 5;  // lhs, rhs, offsets, slots, alpha
   const int64_t per_set = kOperands + (acc ? 1 : 0);
   const int64_t S = int64_t(args.size()) / per_set;

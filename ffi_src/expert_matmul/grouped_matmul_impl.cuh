@@ -22,6 +22,12 @@ template <class T> struct ModeConfig<T, kGmmRhsT> {
 template <class T> struct ModeConfig<T, kTgmm> {
   using type = GemmConfig<T, ColumnMajor, RowMajor, void, float, Cooperative>;
 };
+template <class T> struct ModeConfig<T, kTgmmRounded> {
+  using type = GemmConfig<T, ColumnMajor, RowMajor, void, T, Cooperative>;
+};
+
+// The transposed modes: one [K, N] output per group, the group's rows the reduction.
+constexpr bool is_tgmm(int64_t mode) { return mode == kTgmm || mode == kTgmmRounded; }
 
 __device__ inline int64_t clip(int64_t v, int64_t lo, int64_t hi) {
   return v < lo ? lo : (v > hi ? hi : v);
@@ -58,12 +64,12 @@ __device__ void write_problem(const Problems<C>& p, const GroupedSet& s, int64_t
   const int K = int(s.K), N = int(s.N);
   const T* lhs = static_cast<const T*>(s.lhs);
   const T* rhs = static_cast<const T*>(s.rhs);
-  if constexpr (Mode == kTgmm) {
+  if constexpr (is_tgmm(Mode)) {
     // (K, N, m): A = lhs rows as a column-major K x m matrix, B = rhs rows.
     p.shapes[q] = typename C::Shape{m > 0 ? K : 0, N, m};
     p.ptr_a[q] = lhs + r.lo * K;
     p.ptr_b[q] = rhs + r.lo * N;
-    p.ptr_d[q] = static_cast<float*>(s.out) + g * int64_t(K) * N;
+    p.ptr_d[q] = static_cast<typename Problems<C>::TD*>(s.out) + g * int64_t(K) * N;
     p.stride_a[q] = cutlass::make_cute_packed_stride(typename C::StrideA{}, {K, m, 1});
     p.stride_b[q] = cutlass::make_cute_packed_stride(typename C::StrideB{}, {N, m, 1});
     p.stride_d[q] = cutlass::make_cute_packed_stride(typename C::StrideD{}, {K, N, 1});
@@ -89,14 +95,15 @@ __device__ inline void zero_bytes(void* ptr, int64_t bytes) {
   for (int64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) v[i] = make_uint4(0, 0, 0, 0);
 }
 
-// Unit g < G of a set: the rows (kGmm*) or the group (kTgmm) of group g when
+// Unit g < G of a set: the rows (kGmm*) or the group (kTgmm*) of group g when
 // no problem writes them; unit G (kGmm* only): the rows outside every group.
 template <int64_t Mode>
 __device__ void zero_unit(const GroupedSet& s, int64_t g, int64_t elem_bytes) {
   const int64_t N = s.N;
-  if constexpr (Mode == kTgmm) {
+  if constexpr (is_tgmm(Mode)) {
     const Rows r = group_rows(s, g);
-    if (r.hi == r.lo) zero_bytes(static_cast<float*>(s.out) + g * s.K * N, s.K * N * 4);
+    const int64_t bytes = s.K * N * elem_bytes;
+    if (r.hi == r.lo) zero_bytes(static_cast<char*>(s.out) + g * bytes, bytes);
     return;
   } else {
     char* out = static_cast<char*>(s.out);
@@ -118,7 +125,7 @@ __device__ void zero_unit(const GroupedSet& s, int64_t g, int64_t elem_bytes) {
 template <class C, int64_t Mode>
 __global__ void __launch_bounds__(256) setup_grouped(Problems<C> p, GroupedMatmulArgs a) {
   if (blockIdx.x == 0) {
-    if constexpr (Mode != kTgmm) {
+    if constexpr (!is_tgmm(Mode)) {
       if (threadIdx.x == 0) *p.one = 1.0f;
     }
     for (int64_t q = threadIdx.x; q < a.total_groups; q += blockDim.x) {
@@ -127,7 +134,7 @@ __global__ void __launch_bounds__(256) setup_grouped(Problems<C> p, GroupedMatmu
     }
     return;
   }
-  constexpr int64_t extra = Mode == kTgmm ? 0 : 1;
+  constexpr int64_t extra = is_tgmm(Mode) ? 0 : 1;
   const int64_t units = a.total_groups + extra * a.num_sets;
   for (int64_t u = blockIdx.x - 1; u < units; u += gridDim.x - 1) {
     const int s = set_of(a, u, extra);
@@ -151,8 +158,8 @@ cudaError_t grouped_run(const GroupedMatmulArgs& a, cudaStream_t stream) {
   const ScratchLayout l = scratch_layout<C>(a.total_groups, a.sm_count);
   if (a.scratch_bytes < l.total) return cudaErrorInvalidValue;
   const Problems<C> p = problems_in<C>(a.scratch, l);
-  const bool zeroing = Mode == kTgmm || !a.acc;
-  const int64_t units = a.total_groups + (Mode == kTgmm ? 0 : a.num_sets);
+  const bool zeroing = is_tgmm(Mode) || !a.acc;
+  const int64_t units = a.total_groups + (is_tgmm(Mode) ? 0 : a.num_sets);
   const int64_t zero_blocks = zeroing ? std::min<int64_t>(units, int64_t(a.sm_count) * 4) : 0;
   setup_grouped<C, Mode><<<unsigned(1 + zero_blocks), 256, 0, stream>>>(p, a);
   if (cudaError_t err = cudaPeekAtLastError(); err != cudaSuccess) return err;
@@ -164,8 +171,8 @@ cudaError_t grouped_run(const GroupedMatmulArgs& a, cudaStream_t stream) {
   // stores, the setup kernel's zeroing, or before the call for acc).
   for (int64_t s = 0; s < a.num_sets; ++s) {
     const GroupedSet& st = a.sets[s];
-    const int64_t bytes = Mode == kTgmm ? st.groups * st.K * st.N * 4
-                                        : st.M * st.N * int64_t(sizeof(typename Problems<C>::TD));
+    const int64_t bytes = (is_tgmm(Mode) ? st.groups * st.K : st.M) * st.N *
+                          int64_t(sizeof(typename Problems<C>::TD));
     mark_initialized(st.out, size_t(bytes), stream);
   }
   return cudaPeekAtLastError();

@@ -18,7 +18,8 @@ Rows of an ``[M, K]`` operand are split into ``G`` contiguous groups by
 
       out[g] = sum over the rows r of g of lhs[r]^T rhs[r]   f32 [G, K, N]
 
-  in fp32, a group without rows gives zeros.
+  in fp32, a group without rows gives zeros; with ``rounded=True`` the sums
+  are rounded once to ``lhs``' dtype (half the bytes written).
 
 Several independent operand sets run in one call (:class:`GmmSet`,
 :class:`TgmmSet`; one kernel launch on the GPU). ``impl="fast"`` runs the
@@ -220,13 +221,16 @@ def gmm(sets: Sequence[GmmSet], *, transpose_rhs: bool = False,
     return _ffi(mode, sets, outs, acc, slots, alpha)
 
 
-def tgmm(sets: Sequence[TgmmSet], *, impl: str = "jnp") -> list[jax.Array]:
-    """Transposed grouped matmul of each operand set: one f32 ``[G, K, N]``
-    per set (module docstring); ``impl`` as :func:`gmm`."""
+def tgmm(sets: Sequence[TgmmSet], *, impl: str = "jnp", rounded: bool = False
+         ) -> list[jax.Array]:
+    """Transposed grouped matmul of each operand set: one ``[G, K, N]`` per
+    set (module docstring), f32, or with ``rounded`` the fp32 sums rounded
+    once to ``lhs``' dtype; ``impl`` as :func:`gmm`."""
     _check_sets("tgmm", sets, 2)
     if impl == "jnp":
-        return [_tgmm_ref(_plane(s.lhs, s.lhs_plane, 2), _plane(s.rhs, s.rhs_plane, 2), s.offsets)
-                for s in sets]
+        out = [_tgmm_ref(_plane(s.lhs, s.lhs_plane, 2), _plane(s.rhs, s.rhs_plane, 2), s.offsets)
+               for s in sets]
+        return [o.astype(s.lhs.dtype) for o, s in zip(out, sets)] if rounded else out
     outs = [jax.ShapeDtypeStruct((s.offsets.shape[0] - 1, s.lhs.shape[-1], s.rhs.shape[-1]),
-                                 _F32) for s in sets]
-    return _ffi(_ext.TGMM, sets, outs, None, False, False)
+                                 s.lhs.dtype if rounded else _F32) for s in sets]
+    return _ffi(_ext.TGMM_ROUNDED if rounded else _ext.TGMM, sets, outs, None, False, False)

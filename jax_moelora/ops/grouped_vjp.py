@@ -31,8 +31,10 @@ are summed from the tables alone (:func:`_pool_sums`).
 
 Numerics: every product accumulates in fp32; ``xa`` and ``d_xa`` are rounded
 to the activation dtype as in the jnp backward, ``dx`` is rounded once per
-term it accumulates, the sums stay fp32 until the pools' cotangents are cast
-to the pools' dtype.
+term it accumulates, the sums are rounded once to the pools' dtype: where
+no two cells share a slot, the kernel writes the ``d_xa^T x`` sums rounded
+(half the bytes; the ``g^T xa`` sums stay fp32 for ``ds`` and the scale),
+else every sum is added in fp32 first.
 Every kernel writes each output element from one CTA in a fixed order, and a
 pool slot used by one cell receives one sum: the pool and scale cotangents
 are the same bits on every run. (When several cells share a pool slot, the
@@ -156,24 +158,39 @@ def _scatter_sum(cells: jax.Array, slot: jax.Array, P: int, dtype) -> jax.Array:
     return jnp.zeros((P,) + cells.shape[1:], _F32).at[idx].add(cells, mode="drop").astype(dtype)
 
 
-def _pool_sums(parts: Sequence[tuple[jax.Array, jax.Array, int, Any]]) -> list[jax.Array]:
-    """Per-cell sums as pool cotangents: for each ``(cells [G, ...], slot
-    int32 [G], P, dtype)`` a ``[P, ...]`` array in ``dtype`` whose slot holds
-    the sum of its cells' (0 for a slot of no cell; a slot of -1 is dropped).
+def _pool_sums(parts: Sequence[tuple[Any, jax.Array, int, Any]]) -> list[jax.Array]:
+    """Per-cell sums as pool cotangents: for each ``(cells, slot int32 [G], P,
+    dtype)`` a ``[P, ...]`` array in ``dtype`` whose slot holds the sum of its
+    cells' (0 for a slot of no cell; a slot of -1 is dropped).
+
+    ``cells`` is the ``[G, ...]`` sums, or ``(sums, i)``: entry ``i`` of
+    ``sums(exact)`` (a function called once per branch), fp32 where
+    ``exact``, else sums already rounded to ``dtype`` will do.
 
     Where no two cells of any part share a slot (the tables of distinct
-    adapters and experts) every slot takes its cell's sum by a gather;
-    otherwise every part's sums are added into fp32 pools first. The two give
-    the same values. One ``lax.cond`` decides for all parts: on a GPU its
-    predicate is read by the host once per call."""
-    cells = [c for c, _, _, _ in parts]
-    slots = [s for _, s, _, _ in parts]
+    adapters and experts) every slot takes its cell's sum by a gather (from
+    sums that may be rounded: one rounding either way); otherwise every
+    part's fp32 sums are added into fp32 pools first. The two give the same
+    values. One ``lax.cond`` decides for all parts: on a GPU its predicate is
+    read by the host once per call."""
     shared = functools.reduce(jnp.logical_or, [_shared(s, P) for _, s, P, _ in parts])
 
-    def branch(fn):
-        return lambda cs, ss: [fn(c, s, P, dt) for c, s, (_, _, P, dt) in zip(cs, ss, parts)]
+    def branch(exact: bool, fn):
+        def run():
+            got: dict = {}  # per traced branch
 
-    return jax.lax.cond(shared, branch(_scatter_sum), branch(_gather_sum), cells, slots)
+            def value(c):
+                if not isinstance(c, tuple):
+                    return c
+                sums, i = c
+                if id(sums) not in got:
+                    got[id(sums)] = sums(exact)
+                return got[id(sums)][i]
+
+            return [fn(value(c), s, P, dt) for c, s, P, dt in parts]
+        return run
+
+    return jax.lax.cond(shared, branch(True, _scatter_sum), branch(False, _gather_sum))
 
 
 class _Groups(NamedTuple):
@@ -274,10 +291,9 @@ def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
                    for m, (r, pl, sl, al) in zip(members, grp.b)], impl=impl)
     xa = [jnp.where(mk, v, jnp.zeros((), v.dtype)) for mk, v in zip(grp.masks, xa)]
     d_xa = [jnp.where(mk, v, jnp.zeros((), v.dtype)) for mk, v in zip(grp.masks, d_xa)]
-    sets = []
-    for m, xa_m, dxa in zip(members, xa, d_xa):
-        sets += [gm.TgmmSet(dxa, x_rows, offsets), gm.TgmmSet(m.g, xa_m, offsets, m.g_plane)]
-    red = gm.tgmm(sets, impl=impl)
+    gxa_sums = gm.tgmm([gm.TgmmSet(m.g, xa_m, offsets, m.g_plane)
+                        for m, xa_m in zip(members, xa)], impl=impl)
+    a_sums = _a_sums([gm.TgmmSet(dxa, x_rows, offsets) for dxa in d_xa], members, impl)
     dx_sets = [gm.GmmSet(dxa, r, offsets, sl, 0, pl) for dxa, (r, pl, sl) in zip(d_xa, grp.a_dx)]
     if separate:
         dx = gm.gmm(dx_sets, impl=impl)
@@ -287,14 +303,30 @@ def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
             dx = gm.gmm([dx_set], acc=None if dx is None else [dx], impl=impl)[0]
     parts, d_scale = [], []
     for i, m in enumerate(members):
-        # [G, R, K] and [G, N, R]: sums of d_xa^T x and g^T xa
-        da, gxa = _cells(red[2 * i], L, False), _cells(red[2 * i + 1], L, True)
+        # [G, N, R]: sums of g^T xa (those of d_xa^T x: a_sums)
+        gxa = _cells(gxa_sums[i], L, True)
         P = m.pool_size
         # ds = sum_rows xa . (g B) = <g^T xa, B>, from the fp32 sums
         b_cells = _pool(m.b_pool, m.plane)[jnp.clip(m.b_slot, 0, P - 1)].astype(_F32)
         d_scale.append(jnp.where(m.b_slot >= 0, jnp.sum(gxa * b_cells, axis=(1, 2)), 0.0))
-        parts += [(da, m.a_slot, P, m.a_pool.dtype),
+        parts += [((a_sums, i), m.a_slot, P, m.a_pool.dtype),
                   (gxa * m.scale[:, None, None], m.b_slot, P, m.b_pool.dtype)]
     pools = _pool_sums(parts)
     return dx, [ProjectionGrads(pools[2 * i], pools[2 * i + 1], ds)
                 for i, ds in enumerate(d_scale)]
+
+
+def _a_sums(sets: list, members: Sequence[Member], impl: str):
+    """``sums(exact)``: each member's per-cell ``sum d_xa^T x`` ``[G, R, K]``
+    from one ``tgmm`` of ``sets`` (one a member): fp32 where ``exact``, else
+    rounded to the A pools' dtype by the kernel (half the bytes written) when
+    that is ``d_xa``'s."""
+    L = members[0].loras
+    rounded_ok = all(jnp.dtype(m.a_pool.dtype) == jnp.dtype(s.lhs.dtype)
+                     for m, s in zip(members, sets))
+
+    def sums(exact: bool) -> list[jax.Array]:
+        return [_cells(r, L, False)
+                for r in gm.tgmm(sets, impl=impl, rounded=rounded_ok and not exact)]
+
+    return sums

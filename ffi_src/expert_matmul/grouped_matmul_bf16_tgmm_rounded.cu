@@ -1,0 +1,4 @@
+// grouped_matmul's CUTLASS grouped GEMM for bf16, mode kTgmmRounded (lhs^T @ rhs per group, rounded; see grouped_matmul.h).
+#include "grouped_matmul_impl.cuh"
+
+MOELORA_GROUPED_MATMUL_INSTANTIATE(moelora::DType::kBf16, moelora::kTgmmRounded, kGroupedMatmulBf16TgmmRounded)
