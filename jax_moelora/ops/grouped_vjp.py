@@ -203,40 +203,49 @@ class _Groups(NamedTuple):
     for a cell that folds nothing). Either way ``xa`` and ``d_xa`` are masked
     to each row's own cell's ``R`` columns (``masks``; none for a row that
     folds nothing), so every product is the by-cell one with zeros beside it.
+
     ``dx = d_xa A`` reads a copy of the cells' A with the values that are not
     finite set to 0 (``0 * inf`` would reach the rows of other cells and the
-    rows that fold nothing): such a value of a cell's A reaches that cell's
-    pool cotangents, not any row's ``dx``.
+    rows that fold nothing); with several table rows ``xa`` reads the same
+    copy, and the rows of a cell whose A holds such a value get NaN in their
+    ``xa`` columns (``nan_rows``). Such a value reaches its cell's pool
+    cotangents, not any row's ``dx``.
     """
 
     a: list        # per member: (rhs, rhs_plane, slots) of xa (transposed)
     a_dx: list     # per member: (rhs, rhs_plane, slots) of dx
     b: list        # per member: (rhs, rhs_plane, slots, alpha) of d_xa
     masks: list    # per member: bool [M, L * R]
+    nan_rows: list  # per member: bool [M, 1], or None (L == 1)
 
 
 def _groups(members: Sequence[Member], key: jax.Array) -> _Groups:
     L, G = members[0].loras, members[0].a_slot.shape[0]
     E = G // L
     cell = jnp.where(key < G, key % L, -1)[:, None]
-    a, a_dx, b, masks = [], [], [], []
+    a, a_dx, b, masks, nan_rows = [], [], [], [], []
     for m in members:
         ap, bp = _pool(m.a_pool, m.plane), _pool(m.b_pool, m.plane)  # [P, R, K], [P, N, R]
         (P, R, K), N = ap.shape, bp.shape[1]
         ok = (m.a_slot >= 0)[:, None, None]
-        a_cells = jnp.where(ok, ap[jnp.clip(m.a_slot, 0, P - 1)], 0).reshape(E, L * R, K)
-        a_dx.append((jnp.where(jnp.isfinite(a_cells), a_cells, 0), 0, None))
+        raw = jnp.where(ok, ap[jnp.clip(m.a_slot, 0, P - 1)], 0)  # [G, R, K]
+        finite = jnp.isfinite(raw)
+        a_cells = jnp.where(finite, raw, 0).reshape(E, L * R, K)
+        a_dx.append((a_cells, 0, None))
         masks.append(jnp.arange(L * R, dtype=jnp.int32)[None, :] // R == cell)
         if L == 1:
             a.append((m.a_pool, m.plane, m.a_slot))
             b.append((m.b_pool, m.plane, m.b_slot, m.scale))
+            nan_rows.append(None)
             continue
+        bad = ~jnp.all(finite, axis=(1, 2))  # [G]
+        nan_rows.append((bad[jnp.minimum(key, G - 1)] & (key < G))[:, None])
         b_cells = jnp.where(ok, bp[jnp.clip(m.b_slot, 0, P - 1)].astype(_F32)
                             * m.scale[:, None, None], 0.0).astype(bp.dtype)
         a.append((a_cells, 0, None))
         b.append((b_cells.reshape(E, L, N, R).transpose(0, 2, 1, 3).reshape(E, N, L * R), 0,
                   None, None))
-    return _Groups(a, a_dx, b, masks)
+    return _Groups(a, a_dx, b, masks, nan_rows)
 
 
 def _cells(red: jax.Array, L: int, rank_last: bool) -> jax.Array:
@@ -289,7 +298,8 @@ def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
     # (L > 1: round(g round(s B)))
     d_xa = gm.gmm([gm.GmmSet(m.g, r, offsets, sl, m.g_plane, pl, al)
                    for m, (r, pl, sl, al) in zip(members, grp.b)], impl=impl)
-    xa = [jnp.where(mk, v, jnp.zeros((), v.dtype)) for mk, v in zip(grp.masks, xa)]
+    xa = [jnp.where(mk, v if nan is None else jnp.where(nan, jnp.nan, v).astype(v.dtype),
+                    jnp.zeros((), v.dtype)) for mk, nan, v in zip(grp.masks, grp.nan_rows, xa)]
     d_xa = [jnp.where(mk, v, jnp.zeros((), v.dtype)) for mk, v in zip(grp.masks, d_xa)]
     gxa_sums = gm.tgmm([gm.TgmmSet(m.g, xa_m, offsets, m.g_plane)
                         for m, xa_m in zip(members, xa)], impl=impl)
