@@ -87,7 +87,8 @@ struct LoraKMainloop : Base {
       cute::make_shape(cute::shape<1>(TileShape{}), cute::shape<2>(TileShape{})), cute::Int<1>{}));
 
   // A weight set's second pair, whole: a [rows, k_ext] row-major, b
-  // [experts, k_ext, n] row-major. a == nullptr: the set has none.
+  // [experts, k_ext, n] row-major. a == nullptr (or no rows, no experts):
+  // no group of the set reads it.
   struct ExtPair {
     ElementA const* a;
     ElementB const* b;
@@ -130,7 +131,7 @@ struct LoraKMainloop : Base {
         reinterpret_cast<uint64_t>(a.ptr_B) & 0xFFFFFFFFFFFFFFF0);
     for (int s = 0; s < kLoraKMaxSets; ++s) {
       ExtPair e = a.ext[s];
-      const bool on = e.a != nullptr;
+      const bool on = e.a != nullptr && e.rows > 0 && e.experts > 0;
       if (!on) e = ExtPair{nullptr, nullptr, 1, 8, 1, 8};
       Tensor ta = make_tensor(on ? reinterpret_cast<InternalElementA const*>(e.a) : any_a,
                               make_layout(make_shape(e.rows, e.k_ext, 1),
