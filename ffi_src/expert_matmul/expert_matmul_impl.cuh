@@ -13,7 +13,8 @@ namespace moelora::expert_gemm {
 // Block 0 writes one problem per (weight set, expert): rows
 // [offsets[e], offsets[e + 1]) of x and of that weight set's output, w[e]
 // (with a kLoraK config, and where the weight set has an extension for e:
-// the same rows of xa_ext and b_ext[e], K split as lora_k_mainloop.cuh says).
+// where its rows of xa_ext start and its expert in b_ext, K split as
+// lora_k_mainloop.cuh says).
 // The other blocks zero the output rows past offsets[E] (16-byte stores;
 // N is a multiple of 8 elements).
 template <class C>

@@ -21,7 +21,7 @@ template <> struct ElementOf<DType::kF16> { using type = cutlass::half_t; };
 
 // Byte offsets of the arrays carved out of the scratch buffer (ptr_c,
 // stride_c and the per-group alphas are empty for a config without C; the
-// second operand pair's arrays for a config without it, kLoraK).
+// per-group LoraK for a config without the second operand pair, kLoraK).
 struct ScratchLayout {
   int64_t shapes, ptr_a, ptr_b, ptr_c, ptr_d, stride_a, stride_b, stride_c, stride_d, ptr_alpha,
       one, lora_k, workspace, total;
