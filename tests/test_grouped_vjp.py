@@ -239,7 +239,7 @@ def test_pool_cotangent_sums_each_slots_cells(rng, dtype, slots):
     parts = [(np.asarray(slots), rng.normal(size=(len(slots), 2, 3)).astype(np.float32)),
              (np.asarray([0, 4, 8]), rng.normal(size=(3, 2, 3)).astype(np.float32))]
     got = jax.jit(lambda cs, ss: grouped_vjp._pool_sums(
-        [(c, s, P, dtype) for c, s in zip(cs, ss)]))(
+        lambda exact: cs, [(s, P, dtype) for s in ss]))(
         [jnp.asarray(c) for _, c in parts], [jnp.asarray(s, jnp.int32) for s, _ in parts])
     for (sl, cells), out in zip(parts, got):
         want = np.zeros((P, 2, 3), np.float32)
@@ -267,10 +267,11 @@ def test_pool_cotangent_of_sums_made_in_the_branch(rng, slots):
         def sums(exact):
             asked.append(exact)
             return [c if exact else c.astype(dt)]
-        return grouped_vjp._pool_sums([((sums, 0), s, P, dt)])[0]
+        return grouped_vjp._pool_sums(sums, [(s, P, dt)])[0]
 
     got = jax.jit(lazy)(cells, sl)
-    want = jax.jit(lambda c, s: grouped_vjp._pool_sums([(c, s, P, dt)])[0])(cells, sl)
+    want = jax.jit(lambda c, s: grouped_vjp._pool_sums(lambda exact: [c], [(s, P, dt)])[0])(
+        cells, sl)
     assert sorted(asked) == [False, True]  # one call a branch
     assert got.dtype == dt
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -590,11 +590,10 @@ def _permute_rows(v: jax.Array, perm: jax.Array, inverse: jax.Array) -> jax.Arra
 
 
 def _permute_rows_fwd(v, perm, inverse):
-    return _take_rows(v, perm), (perm, inverse)
+    return _take_rows(v, perm), inverse
 
 
-def _permute_rows_bwd(res, g):
-    _, inverse = res
+def _permute_rows_bwd(inverse, g):
     return _take_rows(g, inverse), None, None
 
 

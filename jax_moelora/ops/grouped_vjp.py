@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -134,18 +134,22 @@ def _pool(pool: jax.Array, plane: int) -> jax.Array:
     return pool.reshape((-1,) + pool.shape[-3:])[plane]
 
 
+def _slot_index(slot: jax.Array, P: int) -> jax.Array:
+    """Each cell's pool slot, ``P`` (one past the pool) for a slot of -1."""
+    return jnp.where(slot >= 0, slot, P)
+
+
 def _shared(slot: jax.Array, P: int) -> jax.Array:
     """Whether two cells of ``slot`` (int32 ``[G]``, -1: none) share a pool slot."""
-    idx = jnp.where(slot >= 0, slot, P)
-    return jnp.any(jnp.zeros((P + 1,), jnp.int32).at[idx].add(1)[:P] > 1)
+    return jnp.any(jnp.zeros((P + 1,), jnp.int32).at[_slot_index(slot, P)].add(1)[:P] > 1)
 
 
 def _gather_sum(cells: jax.Array, slot: jax.Array, P: int, dtype) -> jax.Array:
     """The pool cotangent of cells whose slots are distinct: each slot takes its
     cell's sum (0 for a slot of no cell), written in ``dtype``."""
     G = slot.shape[0]
-    idx = jnp.where(slot >= 0, slot, P)
-    owner = jnp.full((P + 1,), G, jnp.int32).at[idx].set(jnp.arange(G, dtype=jnp.int32))[:P]
+    owner = jnp.full((P + 1,), G, jnp.int32).at[_slot_index(slot, P)].set(
+        jnp.arange(G, dtype=jnp.int32))[:P]
     got = jnp.take(cells, jnp.minimum(owner, G - 1), axis=0)
     own = (owner < G).reshape((P,) + (1,) * (cells.ndim - 1))
     return jnp.where(own, got, 0.0).astype(dtype)
@@ -154,18 +158,17 @@ def _gather_sum(cells: jax.Array, slot: jax.Array, P: int, dtype) -> jax.Array:
 def _scatter_sum(cells: jax.Array, slot: jax.Array, P: int, dtype) -> jax.Array:
     """The pool cotangent of cells in any slots: their sums added into an fp32
     pool by slot (a slot of -1 dropped), then cast to ``dtype``."""
-    idx = jnp.where(slot >= 0, slot, P)
-    return jnp.zeros((P,) + cells.shape[1:], _F32).at[idx].add(cells, mode="drop").astype(dtype)
+    return jnp.zeros((P,) + cells.shape[1:], _F32).at[_slot_index(slot, P)].add(
+        cells, mode="drop").astype(dtype)
 
 
-def _pool_sums(parts: Sequence[tuple[Any, jax.Array, int, Any]]) -> list[jax.Array]:
-    """Per-cell sums as pool cotangents: for each ``(cells, slot int32 [G], P,
-    dtype)`` a ``[P, ...]`` array in ``dtype`` whose slot holds the sum of its
-    cells' (0 for a slot of no cell; a slot of -1 is dropped).
-
-    ``cells`` is the ``[G, ...]`` sums, or ``(sums, i)``: entry ``i`` of
-    ``sums(exact)`` (a function called once per branch), fp32 where
-    ``exact``, else sums already rounded to ``dtype`` will do.
+def _pool_sums(cells: Callable[[bool], list[jax.Array]],
+               tables: Sequence[tuple[jax.Array, int, Any]]) -> list[jax.Array]:
+    """Per-cell sums as pool cotangents: for part ``i`` of ``tables`` (``(slot
+    int32 [G], P, dtype)``) a ``[P, ...]`` array in ``dtype`` whose slot holds
+    the sum of its cells' (0 for a slot of no cell; a slot of -1 is dropped).
+    ``cells(exact)`` gives every part's ``[G, ...]`` sums, once per branch:
+    fp32 where ``exact``, else sums already rounded to the part's dtype will do.
 
     Where no two cells of any part share a slot (the tables of distinct
     adapters and experts) every slot takes its cell's sum by a gather (from
@@ -173,22 +176,10 @@ def _pool_sums(parts: Sequence[tuple[Any, jax.Array, int, Any]]) -> list[jax.Arr
     part's fp32 sums are added into fp32 pools first. The two give the same
     values. One ``lax.cond`` decides for all parts: on a GPU its predicate is
     read by the host once per call."""
-    shared = functools.reduce(jnp.logical_or, [_shared(s, P) for _, s, P, _ in parts])
+    shared = functools.reduce(jnp.logical_or, [_shared(s, P) for s, P, _ in tables])
 
     def branch(exact: bool, fn):
-        def run():
-            got: dict = {}  # per traced branch
-
-            def value(c):
-                if not isinstance(c, tuple):
-                    return c
-                sums, i = c
-                if id(sums) not in got:
-                    got[id(sums)] = sums(exact)
-                return got[id(sums)][i]
-
-            return [fn(value(c), s, P, dt) for c, s, P, dt in parts]
-        return run
+        return lambda: [fn(c, s, P, dt) for c, (s, P, dt) in zip(cells(exact), tables)]
 
     return jax.lax.cond(shared, branch(True, _scatter_sum), branch(False, _gather_sum))
 
@@ -311,7 +302,7 @@ def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
         dx = acc
         for dx_set in dx_sets:
             dx = gm.gmm([dx_set], acc=None if dx is None else [dx], impl=impl)[0]
-    parts, d_scale = [], []
+    b_sums, d_scale, tables = [], [], []
     for i, m in enumerate(members):
         # [G, N, R]: sums of g^T xa (those of d_xa^T x: a_sums)
         gxa = _cells(gxa_sums[i], L, True)
@@ -319,9 +310,10 @@ def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
         # ds = sum_rows xa . (g B) = <g^T xa, B>, from the fp32 sums
         b_cells = _pool(m.b_pool, m.plane)[jnp.clip(m.b_slot, 0, P - 1)].astype(_F32)
         d_scale.append(jnp.where(m.b_slot >= 0, jnp.sum(gxa * b_cells, axis=(1, 2)), 0.0))
-        parts += [((a_sums, i), m.a_slot, P, m.a_pool.dtype),
-                  (gxa * m.scale[:, None, None], m.b_slot, P, m.b_pool.dtype)]
-    pools = _pool_sums(parts)
+        b_sums.append(gxa * m.scale[:, None, None])
+        tables += [(m.a_slot, P, m.a_pool.dtype), (m.b_slot, P, m.b_pool.dtype)]
+    pools = _pool_sums(lambda exact: [c for pair in zip(a_sums(exact), b_sums) for c in pair],
+                       tables)
     return dx, [ProjectionGrads(pools[2 * i], pools[2 * i + 1], ds)
                 for i, ds in enumerate(d_scale)]
 
