@@ -204,9 +204,11 @@ def test_quick_and_summary():
     if _ext.current_platform() == "gpu":  # the GPU's quick subset: Qwen3 at T = 512 and 4096
         assert [(c.model.name, c.tokens) for c in s.cases] == [
             ("Qwen3-30B-A3B", 512), ("Qwen3-30B-A3B", 4096)]
-    else:  # the CPU's: the tiny model, 1 and 4 adapters
+        assert s.reps == 32
+    else:  # the CPU's: the tiny model, 1 and 4 adapters, fewer steps
         assert [c.model.name for c in s.cases] == ["tiny", "tiny"]
-    assert s.programs == bt.DEFAULT_PROGRAMS and s.reps == 2
+        assert s.reps == 2
+    assert s.programs == bt.DEFAULT_PROGRAMS
     rows = [dict(model="Qwen3-30B-A3B", tokens=t, rank=16, adapters=1, program=p, time_us=v,
                  vs_fwd=v / 1000.0, mem_vs_fwd=1.5, peak_bytes=2**30)
             for t in (512, 4096) for p, v in (("fwd", 1000.0), ("fwd_bwd", 2500.0))]

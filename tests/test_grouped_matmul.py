@@ -133,9 +133,9 @@ def test_tgmm_rounded_is_the_fp32_sums_rounded_once(rng, impl, dtype):
     for start in (4, 0):
         lhs = jnp.asarray(rng.normal(size=(M, K)).astype(dt))
         rhs = jnp.asarray(rng.normal(size=(M, N)).astype(dt))
-        sets.append(gm.TgmmSet(lhs, rhs, jnp.asarray(_offsets(rng, G, M, start=start))))
-    run = jax.jit(lambda ss, rounded: gm.tgmm(ss, impl=impl, rounded=rounded),
-                  static_argnums=1)
+        sets.append((lhs, rhs, jnp.asarray(_offsets(rng, G, M, start=start))))
+    run = jax.jit(lambda ss, rounded: gm.tgmm([gm.TgmmSet(*s) for s in ss], impl=impl,
+                                              rounded=rounded), static_argnums=1)
     exact, rounded = run(sets, False), run(sets, True)
     for e, r in zip(exact, rounded):
         assert e.dtype == np.float32 and r.dtype == dt and r.shape == (G, K, N)
