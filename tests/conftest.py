@@ -105,13 +105,22 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{n:5d} skipped: {reason}")
 
 
+# a test phase at least this long is named as it ends (SLOW lines)
+SLOW_TEST_S = 20.0
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_logreport(report):
-    """A failed test's id on its own line as soon as it fails (also under
+    """A failed test's id on its own line as soon as it fails, and a phase
+    that took ``SLOW_TEST_S`` or more with its seconds (also under
     pytest-xdist, whose progress dots name no test), so a run cut short
-    still says what failed. Written by the controller (a worker's report
-    reaches it too)."""
-    if report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
-        import sys
+    still says what failed and what took its time. Written by the
+    controller (a worker's report reaches it too)."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    import sys
 
+    if report.failed:
         sys.stderr.write(f"\nFAILED {report.nodeid} ({report.when})\n")
+    if report.duration >= SLOW_TEST_S:
+        sys.stderr.write(f"\nSLOW {report.nodeid} ({report.when}) {report.duration:.0f} s\n")
