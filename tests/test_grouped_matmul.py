@@ -185,6 +185,20 @@ def test_set_count_and_offsets_are_checked(rng):
         gm.gmm([gm.GmmSet(lhs, rhs, offsets)], acc=[], impl="jnp")
 
 
+@pytest.mark.parametrize("impl", ["jnp", "fast"])
+def test_planes_are_static_ints_within_the_operands(rng, impl):
+    """A set's planes are static: one passed through ``jit`` as an argument
+    (a tracer) or past its operand's leading dimensions is refused before
+    any launch, the same for every impl."""
+    lhs, rhs, offsets, _ = _case(rng, jnp.float32)
+    with pytest.raises(TypeError, match="lhs_plane must be a Python int"):
+        jax.jit(lambda s: gm.tgmm([s], impl=impl))(gm.TgmmSet(lhs, lhs, offsets))
+    with pytest.raises(ValueError, match="rhs_plane 1 outside the 1 plane"):
+        gm.gmm([gm.GmmSet(lhs, rhs, offsets, rhs_plane=1)], impl=impl)
+    with pytest.raises(ValueError, match="lhs_plane 2 outside the 2 plane"):
+        gm.tgmm([gm.TgmmSet(jnp.stack([lhs, lhs]), lhs, offsets, lhs_plane=2)], impl=impl)
+
+
 @GPU
 def test_fast_kernel_shapes_of_the_backward(rng):
     """The shapes the backward runs: rank 16 as the reduction (K = 16) and as

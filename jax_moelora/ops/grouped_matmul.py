@@ -156,6 +156,16 @@ def _check_sets(name: str, sets: Sequence, rhs_rank: int) -> None:
                              f"{rhs_rank}-D, got {s.lhs.shape} and {s.rhs.shape}")
         if s.offsets.dtype != jnp.int32 or s.offsets.ndim != 1 or s.offsets.shape[0] < 2:
             raise ValueError(f"{name}: set {i}: offsets must be int32 [G + 1], G >= 1")
+        for field, a, rank in (("lhs_plane", s.lhs, 2), ("rhs_plane", s.rhs, rhs_rank)):
+            plane = getattr(s, field)
+            if isinstance(plane, bool) or not isinstance(plane, (int, np.integer)):
+                raise TypeError(f"{name}: set {i}: {field} must be a Python int (static), got "
+                                f"{type(plane).__name__}; build the set inside the traced "
+                                f"function instead of passing it as an argument of jit")
+            planes = int(np.prod(a.shape[:a.ndim - rank], dtype=np.int64))
+            if not 0 <= plane < planes:
+                raise ValueError(f"{name}: set {i}: {field} {plane} outside the {planes} "
+                                 f"plane(s) of its operand's leading dimensions")
 
 
 def _ffi(mode: int, sets, outs, acc, slots: bool, alpha: bool):
