@@ -30,8 +30,9 @@
 // with fp32 accumulation and one rounding; every other row is acc[r]
 // (has_acc) or 0. kTgmm: out[g] = sum over the rows r of group g of
 // lhs[r]^T rhs[r] (an outer product), fp32, never rounded; a group without
-// rows gives 0. kTgmmRounded: the same sums rounded once to lhs' dtype. Every output element is written by one CTA in a fixed order:
-// the results do not vary from run to run.
+// rows gives 0. kTgmmRounded: the same sums rounded once to lhs' dtype.
+// Every output element is written by one CTA in a fixed order: the results
+// do not vary from run to run.
 //
 // lhs and rhs of every set share one dtype, bf16 or f16; every K and N is a
 // multiple of kExpertMatmulAlign.
@@ -46,6 +47,9 @@
 #include "moelora_constants.h"
 
 namespace moelora {
+
+// The transposed modes: one [K, N] output per group, the group's rows the reduction.
+constexpr bool is_tgmm(int64_t mode) { return mode == kTgmm || mode == kTgmmRounded; }
 
 // One operand set on the device (pointers already moved to their planes).
 struct GroupedSet {

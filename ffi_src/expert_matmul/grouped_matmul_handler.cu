@@ -51,7 +51,7 @@ ffi::Error describe_set(int64_t s, int64_t mode, bool has_slots, bool has_alpha,
                         const ffi::AnyBuffer& offsets, const ffi::AnyBuffer& slots,
                         const ffi::AnyBuffer& alpha, ffi::AnyBuffer out, int64_t lhs_plane,
                         int64_t rhs_plane, GroupedSet* set) {
-  const bool tgmm = mode == kTgmm || mode == kTgmmRounded;
+  const bool tgmm = is_tgmm(mode);
   const ffi::DataType sums = mode == kTgmm ? ffi::DataType::F32 : dt;
   Matrix l{}, r{};
   if (!matrix(lhs, 2, &l)) return invalid(s, "lhs must be [..., M, K]");

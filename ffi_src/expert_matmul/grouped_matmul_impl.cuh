@@ -26,9 +26,6 @@ template <class T> struct ModeConfig<T, kTgmmRounded> {
   using type = GemmConfig<T, ColumnMajor, RowMajor, void, T, Cooperative>;
 };
 
-// The transposed modes: one [K, N] output per group, the group's rows the reduction.
-constexpr bool is_tgmm(int64_t mode) { return mode == kTgmm || mode == kTgmmRounded; }
-
 __device__ inline int64_t clip(int64_t v, int64_t lo, int64_t hi) {
   return v < lo ? lo : (v > hi ? hi : v);
 }
