@@ -302,7 +302,7 @@ def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
         dx = acc
         for dx_set in dx_sets:
             dx = gm.gmm([dx_set], acc=None if dx is None else [dx], impl=impl)[0]
-    b_sums, d_scale, tables = [], [], []
+    d_scale, tables = [], []
     for i, m in enumerate(members):
         # [G, N, R]: sums of g^T xa (those of d_xa^T x: a_sums)
         gxa = _cells(gxa_sums[i], L, True)
@@ -310,9 +310,15 @@ def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
         # ds = sum_rows xa . (g B) = <g^T xa, B>, from the fp32 sums
         b_cells = _pool(m.b_pool, m.plane)[jnp.clip(m.b_slot, 0, P - 1)].astype(_F32)
         d_scale.append(jnp.where(m.b_slot >= 0, jnp.sum(gxa * b_cells, axis=(1, 2)), 0.0))
-        b_sums.append(gxa * m.scale[:, None, None])
         tables += [(m.a_slot, P, m.a_pool.dtype), (m.b_slot, P, m.b_pool.dtype)]
-    pools = _pool_sums(lambda exact: [c for pair in zip(a_sums(exact), b_sums) for c in pair],
+
+    def b_sums() -> list[jax.Array]:
+        # s * sum g^T xa per cell, formed inside the branch that sums it into the
+        # pool: the branch's operand is the kernel's output, and the scaled fp32
+        # cells are never a buffer of their own
+        return [_cells(r, L, True) * m.scale[:, None, None] for r, m in zip(gxa_sums, members)]
+
+    pools = _pool_sums(lambda exact: [c for pair in zip(a_sums(exact), b_sums()) for c in pair],
                        tables)
     return dx, [ProjectionGrads(pools[2 * i], pools[2 * i + 1], ds)
                 for i, ds in enumerate(d_scale)]
