@@ -314,8 +314,8 @@ def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
 
     def b_sums() -> list[jax.Array]:
         # s * sum g^T xa per cell, formed inside the branch that sums it into the
-        # pool: the branch's operand is the kernel's output, and the scaled fp32
-        # cells are never a buffer of their own
+        # pool: the branch's operand is the kernel's output (a lax.cond's operands
+        # are buffers of their own), not a scaled fp32 copy of it
         return [_cells(r, L, True) * m.scale[:, None, None] for r, m in zip(gxa_sums, members)]
 
     pools = _pool_sums(lambda exact: [c for pair in zip(a_sums(exact), b_sums()) for c in pair],
