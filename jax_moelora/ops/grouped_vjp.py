@@ -313,9 +313,9 @@ def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
         tables += [(m.a_slot, P, m.a_pool.dtype), (m.b_slot, P, m.b_pool.dtype)]
 
     def b_sums() -> list[jax.Array]:
-        # s * sum g^T xa per cell, formed inside the branch that sums it into the
-        # pool: the branch's operand is the kernel's output (a lax.cond's operands
-        # are buffers of their own), not a scaled fp32 copy of it
+        # s * sum g^T xa per cell, formed from the kernel's output inside the branch
+        # that sums it into the pool (as ds forms its own view above): a lax.cond's
+        # operands are buffers of their own, so no scaled fp32 copy is passed in
         return [_cells(r, L, True) * m.scale[:, None, None] for r, m in zip(gxa_sums, members)]
 
     pools = _pool_sums(lambda exact: [c for pair in zip(a_sums(exact), b_sums()) for c in pair],
