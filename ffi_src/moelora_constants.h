@@ -82,8 +82,8 @@ inline constexpr int kGroupedMatmulMaxSets = 8;
 enum GroupedMatmulMode : int64_t {
   kGmm = 0,      // out[r] = lhs[r] @ rhs[slot(g)]      rhs [P, K, N], out [M, N]
   kGmmRhsT = 1,  // out[r] = lhs[r] @ rhs[slot(g)]^T    rhs [P, N, K], out [M, N]
-  kTgmm = 2,     // out[g] = lhs[rows of g]^T @ rhs[rows of g]   out f32 [G, K, N]
-  kTgmmRounded = 3,  // kTgmm's fp32 sums rounded once to lhs' dtype   out [G, K, N]
+  kTgmm = 2,     // out[q] = lhs[rows of g(q)]^T @ rhs[rows of g(q)]   out f32 [Q, K, N]
+  kTgmmRounded = 3,  // kTgmm's fp32 sums rounded once to lhs' dtype   out [Q, K, N]
 };
 
 }  // namespace moelora

@@ -67,8 +67,9 @@ namespace moelora {
 // (weight sets x experts) on a device with `sm_count` SMs.
 int64_t expert_matmul_scratch_bytes(int64_t num_groups, int64_t sm_count);
 // Bytes of the grouped_matmul scratch buffer of a `mode` call with
-// `num_groups` problems (all its sets' groups) on `sm_count` SMs.
-int64_t grouped_matmul_scratch_bytes(int64_t mode, int64_t num_groups, int64_t sm_count);
+// `num_problems` problems (all its sets' groups, or output matrices for the
+// kTgmm modes) on `sm_count` SMs.
+int64_t grouped_matmul_scratch_bytes(int64_t mode, int64_t num_problems, int64_t sm_count);
 // SMs of CUDA device `device` (0 when it cannot be queried).
 int64_t cuda_sm_count(int64_t device);
 }  // namespace moelora

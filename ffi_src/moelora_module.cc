@@ -74,9 +74,9 @@ NB_MODULE(_moelora, m) {
         "Bytes of expert_matmul's scratch buffer for num_groups GEMM problems on a device "
         "with sm_count SMs (pointer and shape arrays, then CUTLASS's workspace).");
   m.def("grouped_matmul_scratch_bytes", &moelora::grouped_matmul_scratch_bytes,
-        nb::arg("mode"), nb::arg("num_groups"), nb::arg("sm_count"),
-        "Bytes of grouped_matmul's scratch buffer for a call of `mode` with num_groups "
-        "problems on a device with sm_count SMs.");
+        nb::arg("mode"), nb::arg("num_problems"), nb::arg("sm_count"),
+        "Bytes of grouped_matmul's scratch buffer for a call of `mode` with num_problems "
+        "problems (groups, or output matrices of a tgmm) on a device with sm_count SMs.");
   m.def("cuda_sm_count", &moelora::cuda_sm_count, nb::arg("device"),
         "SMs of a CUDA device (0 when it cannot be queried).");
 #else

@@ -7,7 +7,9 @@ Each impl is held to a float64 NumPy loop over the groups:
   (+ acc[r]))``; rows of skipped groups (a slot outside ``[0, P)``) and rows
   outside every group are exactly ``acc[r]`` (or 0); planes of stacked
   operands are read in place;
-- ``tgmm``: each group's ``lhs^T rhs`` in f32, a group without rows exactly 0.
+- ``tgmm``: each group's ``lhs^T rhs`` in f32 (times its ``alpha``), a group
+  without rows exactly 0; with ``groups_of`` output matrix ``q`` is group
+  ``groups_of[q]``'s, exactly 0 for a value outside the groups.
 
 ``impl="fast"`` (the CUTLASS kernels) carries the ``gpu`` marker and is
 checked against the reference with the dtype's error, its exact zeros and
@@ -142,6 +144,55 @@ def test_tgmm_rounded_is_the_fp32_sums_rounded_once(rng, impl, dtype):
         np.testing.assert_array_equal(np.asarray(r).view(np.uint16),
                                       np.asarray(e.astype(dt)).view(np.uint16))
     assert (np.asarray(exact[0]) != 0).any()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("rounded", [False, True], ids=["f32", "rounded"])
+def test_tgmm_writes_each_groups_scaled_sum_where_groups_of_says(rng, impl, rounded):
+    """``groups_of [Q]``: matrix ``q`` holds ``alpha[g] * lhs_g^T rhs_g`` of
+    group ``g = groups_of[q]``, zeros for a value outside ``[0, G)`` or a
+    group without rows; two sets in one call, one of them without
+    ``groups_of`` and alpha (its ``[G, K, N]`` sums as before)."""
+    dt = jnp.dtype(jnp.bfloat16)
+    M, K, N, G, Q = 90, 16, 24, 7, 11
+    lhs = rng.normal(size=(M, K)).astype(dt)
+    rhs = rng.normal(size=(M, N)).astype(dt)
+    offsets = _offsets(rng, G, M, start=4)
+    groups_of = rng.permutation(np.concatenate([np.arange(G), [-1, G, 99, -5]]))[:Q]
+    groups_of = groups_of.astype(np.int32)
+    alpha = rng.uniform(-2, 2, G).astype(np.float32)
+    run = jax.jit(lambda *a: gm.tgmm([gm.TgmmSet(a[0], a[1], a[2], groups_of=a[3], alpha=a[4]),
+                                      gm.TgmmSet(a[1], a[0], a[2])], impl=impl, rounded=rounded))
+    out, plain = (np.asarray(v, np.float32) for v in run(lhs, rhs, offsets, groups_of, alpha))
+    assert out.shape == (Q, K, N) and plain.shape == (G, N, K)
+    for q, g in enumerate(groups_of):
+        lo, hi = (offsets[g], offsets[g + 1]) if 0 <= g < G else (0, 0)
+        if hi == lo:
+            np.testing.assert_array_equal(out[q], 0.0)
+            continue
+        want = alpha[g] * (lhs[lo:hi].astype(np.float64).T @ rhs[lo:hi].astype(np.float64))
+        assert _rel(out[q], want) <= (RTOL[dt] if rounded else 1e-5)
+        plain_want = rhs[lo:hi].astype(np.float64).T @ lhs[lo:hi].astype(np.float64)
+        assert _rel(plain[g], plain_want) <= (RTOL[dt] if rounded else 1e-5)
+    assert (groups_of < 0).any() and (groups_of >= G).any()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_value_not_finite_stays_in_its_groups_rows(rng, impl):
+    """An inf in one slot's matrix reaches only the rows of the groups that
+    read that slot; every other row has the bits it has without it."""
+    lhs, rhs, offsets, slots = _case(rng, jnp.bfloat16)
+    live = (slots >= 0) & (slots < rhs.shape[0]) & (np.diff(offsets) > 0)
+    bad_slot = int(slots[live][0])
+    bad = np.array(rhs)
+    bad[bad_slot, 0, 0] = np.inf
+    run = jax.jit(lambda r: gm.gmm([gm.GmmSet(lhs, r, offsets, slots)], impl=impl)[0])
+    out, out_bad = np.asarray(run(rhs), np.float32), np.asarray(run(bad), np.float32)
+    rows = np.zeros(lhs.shape[0], bool)
+    for g in np.flatnonzero(slots == bad_slot):
+        rows[offsets[g]:offsets[g + 1]] = True
+    assert rows.any() and not np.isfinite(out_bad[rows]).all()
+    np.testing.assert_array_equal(out_bad[~rows], out[~rows])
 
 
 @pytest.mark.parametrize("impl", IMPLS)

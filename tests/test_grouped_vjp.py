@@ -3,9 +3,9 @@
 
 In f32 its cotangents equal the other formulations' (``"dense"``,
 ``"tiled"``) up to the order of fp32 sums, for rows grouped by expert in any
-order within an expert, for one projection or several read from a stacked
-pool, with rows that fold nothing contributing nothing. No branch depends on
-the rows.
+order within an expert (the cell layout or not), for tables with a slot a
+cell or shared slots, for one projection or several read from a stacked
+pool, with rows that fold nothing contributing nothing. One branch a call.
 The jnp form of the grouped matmuls runs everywhere; the CUDA kernels are
 checked against it in bf16 on the GPU.
 """
@@ -77,15 +77,19 @@ def test_grouped_equals_dense_formulation(rng, sort, L):
         assert _rel(a, b) <= 1e-5, f"{name}: {_rel(a, b):.3g}"
 
 
-def test_by_expert_a_value_not_finite_stays_in_its_cells_cotangents(rng):
-    """With several table rows the matmuls run by expert, an expert's cells
-    side by side: a NaN in one cell's A reaches its B cotangent (through
-    ``xa``) and no row's ``dx``; the rows of the expert's other cells keep the
-    bits they have with a finite A."""
+@pytest.mark.parametrize("sort", [True, False], ids=["by_cell", "by_expert"])
+def test_a_value_not_finite_stays_in_its_cells_rows(rng, sort):
+    """A NaN in one cell's A reaches that cell's rows' ``dx`` and its B
+    cotangent (through ``xa``), as in the reference; every other row keeps
+    the ``dx`` bits it has with a finite A, in either row order."""
     route = make_route(rng, P=11, R=8, K=16, N=24, L=3, E=4)
     M = 80
     adapter, expert, _, ok = _rows(rng, route, M, sort=True)
     key = grouped_vjp.cell_keys(3, 4, adapter, expert, ok)
+    if sort:  # the cell layout: within an expert, rows that fold nothing first
+        k = np.asarray(key)
+        order = np.lexsort((np.where(k < 12, k, -1), np.asarray(expert)))
+        adapter, expert, key = adapter[order], expert[order], key[order]
     k = np.asarray(key)
     first = int(k[k < 12][0])  # a cell with rows: e * L + l
     e0, l0 = divmod(first, 3)
@@ -99,12 +103,11 @@ def test_by_expert_a_value_not_finite_stays_in_its_cells_cotangents(rng):
     off = _offsets(expert, 4)
     dx, _ = run(x, grouped_vjp.member(route, g), key, off)
     dx_bad, (grads,) = run(x, grouped_vjp.member(bad, g), key, off)
-    assert np.isfinite(np.asarray(dx_bad)).all()
     cells = np.asarray(route.a_table).T.reshape(-1)  # cell e * L + l's A slot
-    other = (k < 12) & (cells[np.minimum(k, 11)] != slot)
-    assert other.any()
-    np.testing.assert_array_equal(np.asarray(dx_bad)[other], np.asarray(dx)[other])
-    # xa = x A^T carries it into the cell's B and scale cotangents
+    own = (k < 12) & (cells[np.minimum(k, 11)] == slot)
+    assert np.isnan(np.asarray(dx_bad)[own]).any()
+    assert np.isfinite(np.asarray(dx_bad)[~own]).all() and (~own & (k < 12)).any()
+    np.testing.assert_array_equal(np.asarray(dx_bad)[~own], np.asarray(dx)[~own])
     b_slot = int(np.asarray(route.b_table)[l0, e0])
     assert np.isnan(np.asarray(grads.d_b_pool)[b_slot]).any()
 
@@ -140,21 +143,11 @@ def test_rows_need_no_order_within_an_expert(rng, L):
     np.testing.assert_array_equal(np.asarray(dx)[skipped], np.asarray(acc)[skipped])
 
 
-def test_one_branch_and_it_reads_the_tables_only(rng):
-    """The backward of gate and up has one ``cond`` (how the pool cotangents
-    are summed), whose predicate depends on the tables, not on the rows."""
-    route = make_route(rng, P=9, R=8, K=16, N=24, L=2, E=4)
-    M = 40
-    adapter, expert, _, ok = _rows(rng, route, M, sort=True)
-    key = grouped_vjp.cell_keys(2, 4, adapter, expert, ok)
-    x = jnp.asarray(rng.normal(size=(M, 16)), jnp.float32)
-    g = jnp.asarray(rng.normal(size=(M, 24)), jnp.float32)
-    members = [grouped_vjp.member(route, g), grouped_vjp.member(route, 2 * g)]
-    jaxpr = jax.make_jaxpr(lambda x, k, o, ms: grouped_vjp.lora_grads(x, ms, k, o, impl="jnp"))(
-        x, key, _offsets(expert, 4), members)
+def _predicate_inputs(fn, args, names) -> set:
+    """The names of ``args`` (flattened) the one ``cond`` of ``fn``'s jaxpr reads."""
+    jaxpr = jax.make_jaxpr(fn)(*args)
     conds = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in ("cond", "while")]
     assert [e.primitive.name for e in conds] == ["cond"]
-    # the inputs the predicate depends on: the members' slot tables only
     need, producers = {conds[0].invars[0]}, {v: e for e in jaxpr.jaxpr.eqns for v in e.outvars}
     frontier = list(need)
     while frontier:
@@ -163,10 +156,70 @@ def test_one_branch_and_it_reads_the_tables_only(rng):
             if isinstance(v, jax.extend.core.Var) and v not in need:
                 need.add(v)
                 frontier.append(v)
+    return {n for n, v in zip(names, jaxpr.jaxpr.invars) if v in need}
+
+
+def test_one_branch_on_the_tables_and_the_row_layout(rng):
+    """The backward of gate and up has one ``cond``. Its predicate reads the
+    slot tables (do two cells share a slot) and the rows' keys and offsets (are
+    the rows in the cell layout); with ``rows_by_cell`` the caller vouches for
+    the layout and it reads the tables alone."""
+    route = make_route(rng, P=9, R=8, K=16, N=24, L=2, E=4)
+    M = 40
+    adapter, expert, _, ok = _rows(rng, route, M, sort=True)
+    key = grouped_vjp.cell_keys(2, 4, adapter, expert, ok)
+    x = jnp.asarray(rng.normal(size=(M, 16)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(M, 24)), jnp.float32)
+    members = [grouped_vjp.member(route, g), grouped_vjp.member(route, 2 * g)]
     leaves = jax.tree_util.tree_leaves_with_path(members)
     names = ["x", "key", "offsets"] + [jax.tree_util.keystr(p) for p, _ in leaves]
-    used = {n for n, v in zip(names, jaxpr.jaxpr.invars) if v in need}
-    assert used and all(n.endswith(("a_slot", "b_slot")) for n in used), used
+    args = (x, key, _offsets(expert, 4), members)
+    for by_cell in (False, True):
+        used = _predicate_inputs(lambda x, k, o, ms: grouped_vjp.lora_grads(
+            x, ms, k, o, impl="jnp", rows_by_cell=by_cell), args, names)
+        tables = {n for n in used if n.endswith(("a_slot", "b_slot"))}
+        assert tables and used - tables == (set() if by_cell else {"key", "offsets"}), used
+
+
+def _by_cell(key, expert, L: int, E: int):
+    """The order of rows grouped by expert that puts them in the cell layout:
+    within an expert, the rows that fold nothing first, then cell by cell."""
+    k = np.asarray(key)
+    return np.lexsort((np.where(k < L * E, k, -1), np.asarray(expert)))
+
+
+@pytest.mark.parametrize("order", ["by_cell", "by_expert"])
+@pytest.mark.parametrize("tables", ["distinct", "shared"])
+def test_each_branch_equals_the_dense_formulation(rng, order, tables):
+    """Rows in the cell layout with a slot a cell (the branch that writes each
+    sum at its slot), rows in another order or cells sharing slots (the branch
+    that sorts the rows and adds the sums by slot): the cotangents of the dense
+    formulation either way."""
+    L, E, P = 3, 4, 14
+    route = make_route(rng, P=P, R=8, K=16, N=24, L=L, E=E)
+    if tables == "distinct":
+        cells = (1 + np.arange(L)[:, None] * E + np.arange(E)[None, :]).astype(np.int32)
+        cells[rng.random(cells.shape) < 0.2] = 0
+        route = route.replace(a_table=jnp.asarray(cells), b_table=jnp.asarray(cells[::-1]))
+    M = 90
+    adapter, expert, cell, ok = _rows(rng, route, M, sort=True)
+    key = grouped_vjp.cell_keys(L, E, adapter, expert, ok)
+    if order == "by_cell":
+        o = _by_cell(key, expert, L, E)
+        adapter, expert, cell, ok, key = adapter[o], expert[o], cell[o], ok[o], key[o]
+    k2 = np.asarray(grouped_vjp.group_keys(key, _offsets(expert, E), L))
+    assert (np.diff(k2) >= 0).all() == (order == "by_cell")
+    x = jnp.asarray(rng.normal(size=(M, 16)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(M, 24)), jnp.float32)
+    want = autodiff.fold_rows_vjp(x, route, g, jnp.arange(M, dtype=jnp.int32), cell, ok,
+                                  mode="dense")
+    dx, (gr,) = jax.jit(lambda x, m, k, o: grouped_vjp.lora_grads(x, [m], k, o, impl="jnp"))(
+        x, grouped_vjp.member(route, g), key, _offsets(expert, E))
+    got = (dx, gr.d_a_pool, gr.d_b_pool, gr.d_scale.reshape(E, L).T)
+    for name, a, b in zip(("dx", "d_a_pool", "d_b_pool", "d_scale"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert np.abs(np.asarray(b)).max() > 0, f"{name} is zero: the test could not fail"
+        assert _rel(a, b) <= 1e-5, f"{name}: {_rel(a, b):.3g}"
 
 
 def test_stacked_members_equal_separate_calls(rng):
@@ -195,11 +248,12 @@ def test_stacked_members_equal_separate_calls(rng):
 
 
 @GPU
+@pytest.mark.parametrize("order", ["by_cell", "by_expert"])
 @pytest.mark.parametrize("L", [1, 4])
-def test_kernels_match_the_jnp_form(rng, L):
-    """bf16 on the CUDA kernels against the same formulation in jnp: equal
-    within bf16 error, the pool and scale cotangents the same bits on a
-    second run."""
+def test_kernels_match_the_jnp_form(rng, L, order):
+    """bf16 on the CUDA kernels against the same formulation in jnp, rows in
+    the cell layout or only grouped by expert: equal within bf16 error, the
+    pool and scale cotangents the same bits on a second run."""
     dt = jnp.bfloat16
     route = make_route(rng, P=33, R=16, K=256, N=128, L=L, E=8, dtype=dt)
     # every cell its own slot (the layout whose pool gradients are deterministic)
@@ -209,6 +263,9 @@ def test_kernels_match_the_jnp_form(rng, L):
     M = 1500
     adapter, expert, _, ok = _rows(rng, route, M, sort=True)
     key = grouped_vjp.cell_keys(L, 8, adapter, expert, ok)
+    if order == "by_cell":
+        o = _by_cell(key, expert, L, 8)
+        expert, key = expert[o], key[o]
     x = jnp.asarray(rng.normal(size=(M, 256)), dt)
     g = jnp.asarray(rng.normal(size=(M, 128)), dt)
     run = jax.jit(lambda x, m, k, o, impl: grouped_vjp.lora_grads(x, [m], k, o, impl=impl),
@@ -224,74 +281,3 @@ def test_kernels_match_the_jnp_form(rng, L):
     for a, b in zip(grads, grads2):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert backend.gpu_now() and backend.cutlass_takes(dt, 256, 128, 16)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("slots", [[3, -1, 5, 1, 7, 2], [3, 3, 5, -1, 1, 5]],
-                         ids=["distinct", "shared"])
-def test_pool_cotangent_sums_each_slots_cells(rng, dtype, slots):
-    """Each pool slot receives the sum of its cells' sums, rounded once to the
-    pool's dtype; a slot of no cell gets 0 and a cell of slot -1 is dropped,
-    whether the slots are distinct (taken by a gather) or shared (then every
-    part of the call is summed by slot: a second part of distinct slots gets
-    the same values either way)."""
-    P = 9
-    parts = [(np.asarray(slots), rng.normal(size=(len(slots), 2, 3)).astype(np.float32)),
-             (np.asarray([0, 4, 8]), rng.normal(size=(3, 2, 3)).astype(np.float32))]
-    got = jax.jit(lambda cs, ss: grouped_vjp._pool_sums(
-        lambda exact: cs, [(s, P, dtype) for s in ss]))(
-        [jnp.asarray(c) for _, c in parts], [jnp.asarray(s, jnp.int32) for s, _ in parts])
-    for (sl, cells), out in zip(parts, got):
-        want = np.zeros((P, 2, 3), np.float32)
-        for g, s in enumerate(sl):
-            if s >= 0:
-                want[s] += cells[g]
-        assert out.dtype == dtype and out.shape == (P, 2, 3)
-        np.testing.assert_array_equal(np.asarray(out, np.float32),
-                                      np.asarray(jnp.asarray(want).astype(dtype), np.float32))
-
-
-@pytest.mark.parametrize("slots", [[3, -1, 5, 1, 7, 2], [3, 3, 5, -1, 1, 5]],
-                         ids=["distinct", "shared"])
-def test_pool_cotangent_of_sums_made_in_the_branch(rng, slots):
-    """A part's sums may be made inside the branch that takes them: fp32 for
-    the fp32 pool of shared slots, rounded to the pool's dtype for the gather
-    of distinct ones (what the backward's A sums do). The cotangent has the
-    values of the fp32 sums given outright."""
-    P, dt = 9, jnp.bfloat16
-    cells = jnp.asarray(rng.normal(size=(len(slots), 2, 3)).astype(np.float32))
-    sl = jnp.asarray(slots, jnp.int32)
-    asked = []
-
-    def lazy(c, s):
-        def sums(exact):
-            asked.append(exact)
-            return [c if exact else c.astype(dt)]
-        return grouped_vjp._pool_sums(sums, [(s, P, dt)])[0]
-
-    got = jax.jit(lazy)(cells, sl)
-    want = jax.jit(lambda c, s: grouped_vjp._pool_sums(lambda exact: [c], [(s, P, dt)])[0])(
-        cells, sl)
-    assert sorted(asked) == [False, True]  # one call a branch
-    assert got.dtype == dt
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-
-
-@pytest.mark.parametrize("pool_dtype", [jnp.bfloat16, jnp.float32])
-def test_a_sums_are_rounded_only_outside_the_exact_branch(rng, pool_dtype):
-    """The backward's ``sum d_xa^T x``: fp32 for the exact branch; for the
-    gather, rounded to the pool's dtype by the kernel when that is the
-    operands' (else fp32 too)."""
-    route = make_route(rng, P=9, R=8, K=16, N=24, L=2, E=4, dtype=pool_dtype)
-    M = 40
-    adapter, expert, _, ok = _rows(rng, route, M, sort=True)
-    d_xa = jnp.asarray(rng.normal(size=(M, 16)), jnp.bfloat16)
-    x = jnp.asarray(rng.normal(size=(M, 16)), jnp.bfloat16)
-    m = grouped_vjp.member(route, jnp.zeros((M, 24), jnp.bfloat16))
-    sums = grouped_vjp._a_sums([gm.TgmmSet(d_xa, x, _offsets(expert, 4))], [m], "jnp")
-    exact, gathered = sums(True)[0], sums(False)[0]
-    assert exact.dtype == jnp.float32 and exact.shape == (8, 8, 16)
-    rounded = jnp.dtype(pool_dtype) == jnp.bfloat16
-    assert gathered.dtype == (jnp.bfloat16 if rounded else jnp.float32)
-    np.testing.assert_array_equal(np.asarray(gathered, np.float32),
-                                  np.asarray(exact.astype(gathered.dtype), np.float32))

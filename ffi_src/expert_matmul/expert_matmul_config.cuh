@@ -63,8 +63,10 @@ struct Pingpong {
 using RowMajor = cutlass::layout::RowMajor;
 using ColumnMajor = cutlass::layout::ColumnMajor;
 
+// AlphaArray: D = alpha_g * acc (+ beta * C) with a per-group alpha read
+// through a pointer array (the default: with a C operand); else alpha = 1.
 template <class Element, class LayoutA_, class LayoutB_, class ElementC_, class ElementD_,
-          class Schedule>
+          class Schedule, bool AlphaArray = !std::is_void_v<ElementC_>>
 struct GemmConfig {
   using ElementAB = Element;
   using ElementC = ElementC_;  // void: no C operand
@@ -73,6 +75,7 @@ struct GemmConfig {
   using LayoutB = LayoutB_;
   using LayoutD = RowMajor;
   static constexpr bool kHasC = !std::is_void_v<ElementC>;
+  static constexpr bool kAlphaArray = AlphaArray;
   static constexpr bool kLoraK = false;  // LoraConfig: a second operand pair in the K loop
   static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;     // 16 bytes
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;

@@ -19,9 +19,10 @@ template <DType D> struct ElementOf;
 template <> struct ElementOf<DType::kBf16> { using type = cutlass::bfloat16_t; };
 template <> struct ElementOf<DType::kF16> { using type = cutlass::half_t; };
 
-// Byte offsets of the arrays carved out of the scratch buffer (ptr_c,
-// stride_c and the per-group alphas are empty for a config without C; the
-// per-group LoraK for a config without the second operand pair, kLoraK).
+// Byte offsets of the arrays carved out of the scratch buffer (ptr_c and
+// stride_c are empty for a config without C, the per-group alphas for one
+// without kAlphaArray, the per-group LoraK for one without the second operand
+// pair, kLoraK).
 struct ScratchLayout {
   int64_t shapes, ptr_a, ptr_b, ptr_c, ptr_d, stride_a, stride_b, stride_c, stride_d, ptr_alpha,
       one, lora_k, workspace, total;
@@ -43,7 +44,7 @@ struct Problems {
   typename C::StrideC* stride_c;  // nullptr without C
   typename C::StrideD* stride_d;
   const float** ptr_alpha;  // per-group alpha (D = alpha * acc + beta * C), or nullptr: 1
-  float* one;               // a 1.0f for groups without an alpha
+  float* one;               // a 1.0f for groups without an alpha (nullptr with ptr_alpha)
   // Where each group of a kLoraK config (lora_k_mainloop.cuh) reads its
   // second operand pair, else nullptr.
   LoraK* lora_k;
@@ -94,7 +95,7 @@ typename C::Gemm::Arguments gemm_arguments(const Problems<C>& p, int64_t groups,
       hw};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = beta;
-  if constexpr (C::kHasC) args.epilogue.thread.alpha_ptr_array = p.ptr_alpha;
+  if constexpr (C::kAlphaArray) args.epilogue.thread.alpha_ptr_array = p.ptr_alpha;
   return args;
 }
 
@@ -110,6 +111,7 @@ ScratchLayout scratch_layout(int64_t groups, int sm_count) {
   int64_t at = 0;
   auto take = [&](int64_t bytes) { const int64_t here = at; at = expert_matmul_scratch_align(at + bytes); return here; };
   const int64_t c_groups = C::kHasC ? groups : 0;
+  const int64_t alpha_groups = C::kAlphaArray ? groups : 0;
   l.shapes = take(groups * int64_t(sizeof(typename C::Shape)));
   l.ptr_a = take(groups * int64_t(sizeof(void*)));
   l.ptr_b = take(groups * int64_t(sizeof(void*)));
@@ -119,8 +121,8 @@ ScratchLayout scratch_layout(int64_t groups, int sm_count) {
   l.stride_b = take(groups * int64_t(sizeof(typename C::StrideB)));
   l.stride_c = take(c_groups * int64_t(sizeof(typename C::StrideC)));
   l.stride_d = take(groups * int64_t(sizeof(typename C::StrideD)));
-  l.ptr_alpha = take(c_groups * int64_t(sizeof(float*)));
-  l.one = take(C::kHasC ? int64_t(sizeof(float)) : 0);
+  l.ptr_alpha = take(alpha_groups * int64_t(sizeof(float*)));
+  l.one = take(C::kAlphaArray ? int64_t(sizeof(float)) : 0);
   l.lora_k = take((C::kLoraK ? groups : 0) * int64_t(sizeof(LoraK)));
   l.workspace = take(workspace_bytes<C>(groups, sm_count));
   l.total = at;
@@ -140,14 +142,14 @@ Problems<C> problems_in(void* scratch, const ScratchLayout& l) {
            reinterpret_cast<typename C::StrideB*>(base + l.stride_b),
            C::kHasC ? reinterpret_cast<typename C::StrideC*>(base + l.stride_c) : nullptr,
            reinterpret_cast<typename C::StrideD*>(base + l.stride_d),
-           C::kHasC ? reinterpret_cast<const float**>(base + l.ptr_alpha) : nullptr,
-           C::kHasC ? reinterpret_cast<float*>(base + l.one) : nullptr,
+           C::kAlphaArray ? reinterpret_cast<const float**>(base + l.ptr_alpha) : nullptr,
+           C::kAlphaArray ? reinterpret_cast<float*>(base + l.one) : nullptr,
            C::kLoraK ? reinterpret_cast<LoraK*>(base + l.lora_k) : nullptr};
 }
 
 // Runs the grouped GEMM whose `groups` problems `p` holds (written earlier on
 // `stream`), D = alpha_g * acc + beta * C (alpha_g from p.ptr_alpha for a
-// config with C, else 1). For initcheck (sanitizer_marks.h) the CTAs'
+// config with kAlphaArray, else 1). For initcheck (sanitizer_marks.h) the CTAs'
 // tensor-map copies into the workspace count as writes.
 template <class C>
 cudaError_t run_grouped_gemm(const Problems<C>& p, int64_t groups, int sm_count, float beta,

@@ -63,10 +63,13 @@ ffi::Error describe_set(int64_t s, int64_t mode, bool has_slots, bool has_alpha,
   if (offsets.element_type() != ffi::DataType::S32 || offsets.element_count() < 2)
     return invalid(s, "offsets must be int32 [G + 1], G >= 1");
   const int64_t G = int64_t(offsets.element_count()) - 1, M = l.rows, K = l.cols;
-  int64_t N = 0, P = 0, rhs_planes = r.planes;
+  int64_t N = 0, P = 0, Q = G, rhs_planes = r.planes;
   if (tgmm) {
     if (r.rows != M) return invalid(s, "lhs and rhs must have the same rows");
     N = r.cols;
+    if (has_slots && (slots.element_type() != ffi::DataType::S32 || slots.element_count() < 1))
+      return invalid(s, "slots must be int32 [Q], Q >= 1");
+    if (has_slots) Q = int64_t(slots.element_count());
   } else {
     const auto d = rhs.dimensions();
     P = d[d.size() - 3];  // matrices per plane
@@ -78,28 +81,29 @@ ffi::Error describe_set(int64_t s, int64_t mode, bool has_slots, bool has_alpha,
     if (has_slots && (slots.element_type() != ffi::DataType::S32 ||
                       int64_t(slots.element_count()) != G))
       return invalid(s, "slots must be int32 [G]");
-    if (has_alpha && (alpha.element_type() != ffi::DataType::F32 ||
-                      int64_t(alpha.element_count()) != G))
-      return invalid(s, "alpha must be f32 [G]");
   }
+  if (has_alpha &&
+      (alpha.element_type() != ffi::DataType::F32 || int64_t(alpha.element_count()) != G))
+    return invalid(s, "alpha must be f32 [G]");
   if (rhs_plane < 0 || rhs_plane >= rhs_planes) return invalid(s, "rhs_plane out of range");
   if (K % kExpertMatmulAlign || N % kExpertMatmulAlign)
     return invalid(s, "K and N must be multiples of kExpertMatmulAlign");
   const auto od = out.dimensions();
-  if (tgmm ? (od.size() != 3 || od[0] != G || od[1] != K || od[2] != N ||
+  if (tgmm ? (od.size() != 3 || od[0] != Q || od[1] != K || od[2] != N ||
               out.element_type() != sums)
            : (od.size() != 2 || od[0] != M || od[1] != N || out.element_type() != dt))
     return invalid(s, !tgmm            ? "out must be [M, N] in lhs' dtype"
-                      : mode == kTgmm ? "out must be f32 [G, K, N]"
-                                      : "out must be [G, K, N] in lhs' dtype");
+                      : mode == kTgmm ? "out must be f32 [Q, K, N]"
+                                      : "out must be [Q, K, N] in lhs' dtype");
   const int64_t e2 = 2;  // bytes of a bf16 / f16 element
   const int64_t rhs_plane_bytes = (tgmm ? M : P * K) * N * e2;
   set->lhs = plane(lhs, lhs_plane, M * K * e2);
   set->rhs = plane(rhs, rhs_plane, rhs_plane_bytes);
   set->offsets = static_cast<const int32_t*>(offsets.untyped_data());
-  set->slots = has_slots && !tgmm ? static_cast<const int32_t*>(slots.untyped_data()) : nullptr;
-  set->alpha = has_alpha && !tgmm ? static_cast<const float*>(alpha.untyped_data()) : nullptr;
+  set->slots = has_slots ? static_cast<const int32_t*>(slots.untyped_data()) : nullptr;
+  set->alpha = has_alpha ? static_cast<const float*>(alpha.untyped_data()) : nullptr;
   set->out = out.untyped_data();
+  set->problems = Q;
   set->groups = G;
   set->M = M;
   set->K = K;
@@ -148,8 +152,8 @@ ffi::Error GroupedMatmulCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
                               *slots, *alpha, **out, lhs_plane[s], rhs_plane[s], &a.sets[s]);
         e.failure())
       return e;
-    a.sets[s].first = a.total_groups;
-    a.total_groups += a.sets[s].groups;
+    a.sets[s].first = a.total_problems;
+    a.total_problems += a.sets[s].problems;
     if (acc) {  // out aliases acc; a copy only if XLA gave them distinct buffers
       auto in = args.get<ffi::AnyBuffer>(kOperands * S + s);
       if (in.has_error() || in->element_type() != dt ||
@@ -165,7 +169,7 @@ ffi::Error GroupedMatmulCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
   if (scratch.has_error()) return ffi::Error::InvalidArgument("grouped_matmul: scratch");
   a.scratch = (*scratch)->untyped_data();
   a.scratch_bytes = int64_t((*scratch)->size_bytes());
-  if (a.scratch_bytes < kernel->scratch_bytes(a.total_groups, a.sm_count))
+  if (a.scratch_bytes < kernel->scratch_bytes(a.total_problems, a.sm_count))
     return ffi::Error::InvalidArgument("grouped_matmul: scratch buffer too small");
   if (const cudaError_t err = kernel->run(a, stream); err != cudaSuccess)
     return ffi::Error::Internal(std::string("grouped_matmul: ") + cudaGetErrorString(err));
@@ -174,11 +178,11 @@ ffi::Error GroupedMatmulCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
 
 }  // namespace
 
-int64_t grouped_matmul_scratch_bytes(int64_t mode, int64_t num_groups, int64_t sm_count) {
+int64_t grouped_matmul_scratch_bytes(int64_t mode, int64_t num_problems, int64_t sm_count) {
   int64_t bytes = 0;
   for (const auto dt : {ffi::DataType::BF16, ffi::DataType::F16})
     if (const GroupedMatmulKernel* k = grouped_kernel(dt, mode))
-      bytes = std::max(bytes, k->scratch_bytes(num_groups, int(sm_count)));
+      bytes = std::max(bytes, k->scratch_bytes(num_problems, int(sm_count)));
   return bytes;
 }
 

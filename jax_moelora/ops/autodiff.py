@@ -213,7 +213,8 @@ def _grouped_members(kernels: bool, x, specs, g, xi, cell, ok):
     skey = key[order]
     dxs, grads = grouped_vjp.lora_grads(x[xo], members, skey,
                                         grouped_vjp.expert_offsets_of(skey, L, E),
-                                        impl="fast" if kernels else "jnp", separate=True)
+                                        impl="fast" if kernels else "jnp", separate=True,
+                                        rows_by_cell=True)
     out = []
     for dx_rows, gr, (r, _, _) in zip(dxs, grads, specs):
         dx = jnp.zeros(x.shape, _F32).at[xo].add(dx_rows.astype(_F32))

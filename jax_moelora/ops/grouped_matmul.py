@@ -16,10 +16,14 @@ Rows of an ``[M, K]`` operand are split into ``G`` contiguous groups by
 - ``tgmm``: each group's rows reduced to one matrix (the transposed grouped
   matmul of a weight gradient)::
 
-      out[g] = sum over the rows r of g of lhs[r]^T rhs[r]   f32 [G, K, N]
+      out[q] = alpha[g] * sum over the rows r of g of lhs[r]^T rhs[r]   f32 [Q, K, N]
 
-  in fp32, a group without rows gives zeros; with ``rounded=True`` the sums
-  are rounded once to ``lhs``' dtype (half the bytes written).
+  with ``g = groups_of[q]`` (``Q`` matrices; without ``groups_of``, ``Q =
+  G`` and ``g = q``) and ``alpha[g]`` (or 1), in fp32; a matrix of no group
+  (a value outside ``[0, G)``) or of a group without rows is zeros. With
+  ``rounded=True`` the sums are rounded once to ``lhs``' dtype (half the
+  bytes written). ``groups_of`` writes each group's sum where its consumer
+  wants it (a pool slot) with no copy after the call.
 
 Several independent operand sets run in one call (:class:`GmmSet`,
 :class:`TgmmSet`; one kernel launch on the GPU). ``impl="fast"`` runs the
@@ -45,7 +49,7 @@ from jax_moelora import _ext
 from jax_moelora.ops import batching, expert_matmul_ffi
 from jax_moelora.ops.jnp_fold import rounded
 
-__all__ = ["GmmSet", "TgmmSet", "gmm", "tgmm", "group_offsets"]
+__all__ = ["GmmSet", "TgmmSet", "gmm", "tgmm", "group_offsets", "row_groups"]
 
 _F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
@@ -71,13 +75,16 @@ class GmmSet(NamedTuple):
 
 class TgmmSet(NamedTuple):
     """One operand set of :func:`tgmm`: ``lhs [..., M, K]``, ``rhs [..., M, N]``
-    (planes as :class:`GmmSet`), ``offsets`` int32 ``[G + 1]``."""
+    (planes as :class:`GmmSet`), ``offsets`` int32 ``[G + 1]``; ``groups_of``
+    int32 ``[Q]`` or None; ``alpha`` f32 ``[G]`` or None."""
 
     lhs: jax.Array
     rhs: jax.Array
     offsets: jax.Array
     lhs_plane: int = 0
     rhs_plane: int = 0
+    groups_of: jax.Array | None = None
+    alpha: jax.Array | None = None
 
 
 def group_offsets(counts: jax.Array) -> jax.Array:
@@ -92,8 +99,9 @@ def _plane(a: jax.Array, index: int, rank: int) -> jax.Array:
     return a[index]
 
 
-def _rows(offsets: jax.Array, m: int):
-    """Each group's clipped ``(lo, hi)`` and each row's group (``G`` for none)."""
+def row_groups(offsets: jax.Array, m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each group's clipped ``(lo, hi)`` and each of the ``m`` rows' group
+    (``G`` for a row outside every group)."""
     G = offsets.shape[0] - 1
     lo = jnp.clip(offsets[:-1], 0, m)
     hi = jnp.clip(offsets[1:], lo, m)
@@ -112,12 +120,14 @@ def _gmm_jnp(lhs, rhs, offsets, slots, alpha, acc, *, transpose_rhs: bool):
     G = offsets.shape[0] - 1
     slots = jnp.arange(G, dtype=jnp.int32) if slots is None else slots
     valid = (slots >= 0) & (slots < P)
-    lo, hi, row_group = _rows(offsets, m)
-    # ragged_dot's groups start at row 0: a leading zero group takes rows [0, lo[0])
-    mats = jnp.concatenate([jnp.zeros((1,) + rhs.shape[1:], _F32),
-                            rhs[jnp.clip(slots, 0, P - 1)].astype(_F32)])
-    sizes = jnp.concatenate([lo[:1], hi - lo])
-    prod = jax.lax.ragged_dot(lhs.astype(_F32), mats, sizes, precision=_HI)
+    _, _, row_group = row_groups(offsets, m)
+    # every row times every group's matrix, then each row's own product: a
+    # value that is not finite stays in its group's rows (ragged_dot's
+    # lowering off the TPU is this product masked by multiplication, where 0
+    # times inf would reach every row)
+    mats = rhs[jnp.clip(slots, 0, P - 1)].astype(_F32)
+    every = jnp.einsum("mk,gkn->gmn", lhs.astype(_F32), mats, precision=_HI)
+    prod = every[jnp.minimum(row_group, G - 1), jnp.arange(m)]
     if alpha is not None:
         scale = jnp.concatenate([alpha.astype(_F32), jnp.zeros((1,), _F32)])
         prod = prod * scale[row_group][:, None]
@@ -127,17 +137,23 @@ def _gmm_jnp(lhs, rhs, offsets, slots, alpha, acc, *, transpose_rhs: bool):
     return jnp.where(row_ok, rounded(prod + acc.astype(_F32), lhs.dtype), acc)
 
 
-def _tgmm_jnp(lhs, rhs, offsets):
+def _tgmm_jnp(lhs, rhs, offsets, groups_of, alpha):
     """One set of :func:`tgmm` on ``lhs [M, K]``, ``rhs [M, N]``."""
-    m = lhs.shape[0]
-    lo, hi, row_group = _rows(offsets, m)
-    inside = (row_group < offsets.shape[0] - 1)[:, None]
+    m, G = lhs.shape[0], offsets.shape[0] - 1
+    lo, hi, row_group = row_groups(offsets, m)
+    inside = (row_group < G)[:, None]
     lhs = jnp.where(inside, lhs.astype(_F32), 0.0)  # rows outside every group add nothing
     sizes = jnp.concatenate([lo[:1], hi - lo])
     dn = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
                                            lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-    return jax.lax.ragged_dot_general(lhs, rhs.astype(_F32), sizes, dn, precision=_HI,
+    sums = jax.lax.ragged_dot_general(lhs, rhs.astype(_F32), sizes, dn, precision=_HI,
                                       preferred_element_type=_F32)[1:]
+    if alpha is not None:
+        sums = sums * alpha.astype(_F32)[:, None, None]
+    if groups_of is None:
+        return sums
+    ok = ((groups_of >= 0) & (groups_of < G))[:, None, None]
+    return jnp.where(ok, sums[jnp.clip(groups_of, 0, G - 1)], 0.0)
 
 
 # ragged_dot batches over a leading group axis only: under vmap, one set per element
@@ -169,16 +185,19 @@ def _check_sets(name: str, sets: Sequence, rhs_rank: int) -> None:
 
 
 def _ffi(mode: int, sets, outs, acc, slots: bool, alpha: bool):
-    """The ``grouped_matmul`` custom call over ``sets`` with result types ``outs``."""
+    """The ``grouped_matmul`` custom call over ``sets`` with result types
+    ``outs`` (a set's slots: ``slots`` of a :class:`GmmSet`, ``groups_of`` of
+    a :class:`TgmmSet`)."""
     _ext.register()
     sm = expert_matmul_ffi.device_sm_count()
-    groups = sum(s.offsets.shape[0] - 1 for s in sets)
-    scratch = int(_ext.ext.grouped_matmul_scratch_bytes(mode, groups, sm))
+    tgmm_ = mode in (_ext.TGMM, _ext.TGMM_ROUNDED)
+    problems = sum(o.shape[0] if tgmm_ else s.offsets.shape[0] - 1 for s, o in zip(sets, outs))
+    scratch = int(_ext.ext.grouped_matmul_scratch_bytes(mode, problems, sm))
     operands = []
     for s in sets:  # absent slots and alpha: any int32 / f32 array (not read)
-        sl, al = getattr(s, "slots", None), getattr(s, "alpha", None)
+        sl = s.groups_of if tgmm_ else s.slots
         operands += [s.lhs, s.rhs, s.offsets, sl if sl is not None else s.offsets[:1],
-                     al if al is not None else jnp.zeros((1,), _F32)]
+                     s.alpha if s.alpha is not None else jnp.zeros((1,), _F32)]
     aliases = {}
     if acc is not None:
         aliases = {len(operands) + i: i for i in range(len(sets))}
@@ -219,28 +238,51 @@ def gmm(sets: Sequence[GmmSet], *, transpose_rhs: bool = False,
     for s in sets:
         n = s.rhs.shape[-2] if transpose_rhs else s.rhs.shape[-1]
         outs.append(jax.ShapeDtypeStruct((s.lhs.shape[-2], n), s.lhs.dtype))
-    # has_slots and has_alpha hold for the whole call: the other sets get 0 .. G - 1 and ones
-    slots = any(s.slots is not None for s in sets)
-    alpha = any(s.alpha is not None for s in sets)
-    sets = [s._replace(
-        slots=s.slots if s.slots is not None or not slots else
-        jnp.arange(s.offsets.shape[0] - 1, dtype=jnp.int32),
-        alpha=s.alpha if s.alpha is not None or not alpha else
-        jnp.ones((s.offsets.shape[0] - 1,), _F32)) for s in sets]
+    sets, slots, alpha = _call_wide(sets, "slots")
     mode = _ext.GMM_RHS_T if transpose_rhs else _ext.GMM
     return _ffi(mode, sets, outs, acc, slots, alpha)
 
 
+def _call_wide(sets, field: str):
+    """``(sets, has_slots, has_alpha)``: the custom call's has_slots and
+    has_alpha hold for all its sets, so where one set has ``field`` (its
+    slots) or alpha, the others get the identity ``0 .. G - 1`` and ones."""
+    slots = any(getattr(s, field) is not None for s in sets)
+    alpha = any(s.alpha is not None for s in sets)
+    G = [s.offsets.shape[0] - 1 for s in sets]
+    return [s._replace(**{
+        field: getattr(s, field) if getattr(s, field) is not None or not slots else
+        jnp.arange(g, dtype=jnp.int32),
+        "alpha": s.alpha if s.alpha is not None or not alpha else jnp.ones((g,), _F32)})
+        for s, g in zip(sets, G)], slots, alpha
+
+
 def tgmm(sets: Sequence[TgmmSet], *, impl: str = "jnp", rounded: bool = False
          ) -> list[jax.Array]:
-    """Transposed grouped matmul of each operand set: one ``[G, K, N]`` per
-    set (module docstring), f32, or with ``rounded`` the fp32 sums rounded
-    once to ``lhs``' dtype; ``impl`` as :func:`gmm`."""
+    """Transposed grouped matmul of each operand set: one ``[Q, K, N]`` per
+    set (module docstring; ``Q = G`` without ``groups_of``), f32, or with
+    ``rounded`` the fp32 sums rounded once to ``lhs``' dtype; ``impl`` as
+    :func:`gmm`."""
     _check_sets("tgmm", sets, 2)
+    for i, s in enumerate(sets):
+        _check_vector(f"tgmm: set {i}: groups_of", s.groups_of, jnp.int32, None)
+        _check_vector(f"tgmm: set {i}: alpha", s.alpha, _F32, s.offsets.shape[0] - 1)
     if impl == "jnp":
-        out = [_tgmm_ref(_plane(s.lhs, s.lhs_plane, 2), _plane(s.rhs, s.rhs_plane, 2), s.offsets)
-               for s in sets]
+        out = [_tgmm_ref(_plane(s.lhs, s.lhs_plane, 2), _plane(s.rhs, s.rhs_plane, 2), s.offsets,
+                         s.groups_of, s.alpha) for s in sets]
         return [o.astype(s.lhs.dtype) for o, s in zip(out, sets)] if rounded else out
-    outs = [jax.ShapeDtypeStruct((s.offsets.shape[0] - 1, s.lhs.shape[-1], s.rhs.shape[-1]),
-                                 s.lhs.dtype if rounded else _F32) for s in sets]
-    return _ffi(_ext.TGMM_ROUNDED if rounded else _ext.TGMM, sets, outs, None, False, False)
+    outs = [jax.ShapeDtypeStruct(
+        ((s.offsets.shape[0] - 1) if s.groups_of is None else s.groups_of.shape[0],
+         s.lhs.shape[-1], s.rhs.shape[-1]), s.lhs.dtype if rounded else _F32) for s in sets]
+    sets, slots, alpha = _call_wide(sets, "groups_of")
+    return _ffi(_ext.TGMM_ROUNDED if rounded else _ext.TGMM, sets, outs, None, slots, alpha)
+
+
+def _check_vector(name: str, v, dtype, n: int | None) -> None:
+    """``v`` is None or a ``dtype`` vector (of ``n`` entries when given)."""
+    if v is None:
+        return
+    if v.dtype != dtype or v.ndim != 1 or v.shape[0] < 1 or (n is not None and v.shape[0] != n):
+        want = f"[{n}]" if n is not None else "[Q], Q >= 1"
+        raise ValueError(f"{name} must be {jnp.dtype(dtype).name} {want}, got "
+                         f"{v.dtype} {tuple(v.shape)}")
