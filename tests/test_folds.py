@@ -564,13 +564,15 @@ def test_fast_cells_kernels_with_long_cells_and_many_rows(rng, impl, kind):
     _check(case, case.run(impl), impl)
 
 
+@pytest.mark.parametrize("L", [1, 3])
 @pytest.mark.parametrize("with_adapters", [False, True])
-def test_sort_rows_by_expert_and_adapter(rng, with_adapters):
+def test_sort_rows_by_expert_and_adapter(rng, with_adapters, L):
     """Rows sorted by expert keep each expert's span whatever the adapters;
-    with ``row_adapter`` the rows of a span are grouped by slot (slots outside
-    ``[0, L)``, the base model, first), each group in flat order; ids outside
-    ``[0, E)`` land outside every span."""
-    T, k, E, L = 40, 3, 6, 3
+    with ``row_adapter`` the rows of a span are grouped by the table row they
+    fold with (those that fold nothing first: a slot < 0, or ``>= L`` when
+    ``L > 1``; with ``L == 1`` every slot >= 0 is row 0), each group in flat
+    order; ids outside ``[0, E)`` land outside every span."""
+    T, k, E = 40, 3, 6
     topk = rng.integers(-2, E + 2, size=(T, k)).astype(np.int32)
     ra = rng.integers(-2, L + 2, size=T).astype(np.int32)
     order, offsets, stok = sort_rows_by_expert(jnp.asarray(topk), E,
@@ -586,7 +588,8 @@ def test_sort_rows_by_expert_and_adapter(rng, with_adapters):
         rows = order[offsets[e]:offsets[e + 1]]
         assert (flat[rows] == e).all()
         slot = ra[rows // k]
-        group = np.where((slot >= 0) & (slot < L), slot + 1, 0) if with_adapters else 0 * slot
+        row = np.minimum(slot, 0) if L == 1 else slot
+        group = np.where((row >= 0) & (row < L), row + 1, 0) if with_adapters else 0 * slot
         key = group * (T * k) + rows  # slot group first, then flat order
         np.testing.assert_array_equal(key, np.sort(key))
 

@@ -23,6 +23,7 @@ import pytest
 from _transform_cases import make_route
 from jax_moelora.ops import autodiff, backend, grouped_vjp, jnp_fold
 from jax_moelora.ops import grouped_matmul as gm
+from jax_moelora.ops.folds import sort_rows_by_expert
 from jax_moelora.ops.stacked import stack_routes
 
 GPU = pytest.mark.gpu
@@ -281,3 +282,21 @@ def test_kernels_match_the_jnp_form(rng, L, order):
     for a, b in zip(grads, grads2):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert backend.gpu_now() and backend.cutlass_takes(dt, 256, 128, 16)
+
+
+@pytest.mark.parametrize("L", [1, 4])
+def test_rows_sorted_with_their_adapters_are_in_the_cell_layout(rng, L):
+    """``sort_rows_by_expert`` with the row-adapter map and ``L`` (what the
+    block and the training benchmark do) gives the layout of the fast side
+    of the backward's ``cond``: the rows' group keys never decrease."""
+    T, top_k, E = 200, 4, 6
+    topk = jnp.asarray(rng.integers(-1, E + 1, (T, top_k)), jnp.int32)
+    row_adapter = jnp.asarray(rng.integers(-1, L + 1, T), jnp.int32)
+    _, offsets, stids = sort_rows_by_expert(topk, E, row_adapter, L)
+    M = T * top_k
+    expert, _, adapter, ok = jnp_fold.grouped_rows(offsets, stids, row_adapter, x_rows=T,
+                                                   row_offset=0, row_end=M, x_gather=1)
+    key = np.asarray(grouped_vjp.cell_keys(L, E, adapter, expert, ok))
+    k2 = np.asarray(grouped_vjp.group_keys(jnp.asarray(key), offsets, L))
+    assert (np.diff(k2) >= 0).all()
+    assert (key < L * E).any() and (key == L * E).any()

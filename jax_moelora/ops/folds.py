@@ -376,10 +376,12 @@ def sort_rows_by_expert(topk_ids: jax.Array, n_experts: int,
       topk_ids: int32 ``[T, top_k]`` expert ids.
       n_experts: the experts the offsets cover.
       row_adapter: optional int ``[T]``, each token's adapter slot. Within an
-        expert the rows are then grouped by slot: rows of slots outside
-        ``[0, num_adapters)`` (the base model) first, then slot 0, 1, ...; so
-        that a tile of the grouped fold holds few (adapter, expert) cells. The
-        experts' spans are the same either way.
+        expert the rows are then grouped by the table row they fold with
+        (docs/semantics.md §3): the rows that fold nothing (a slot < 0, or
+        ``>= num_adapters`` when that is above 1) first, then row 0, 1, ...;
+        so that a tile of the grouped fold holds few (adapter, expert) cells
+        and the backward finds each cell's rows together. The experts' spans
+        are the same either way.
       num_adapters: the adapter slots (the route's ``max_loras``, L).
 
     Returns ``(order, expert_offsets, sorted_token_ids)``: ``order [n_slots]``
@@ -405,7 +407,9 @@ def sort_rows_by_expert(topk_ids: jax.Array, n_experts: int,
         key, bounds = flat, jnp.arange(n_experts + 1, dtype=jnp.int32)
     else:
         ra = jnp.asarray(row_adapter).astype(jnp.int32)
-        slot = jnp.where((ra >= 0) & (ra < num_adapters), ra + 1, 0)
+        # with one table row every slot >= 0 folds with it
+        row = jnp.minimum(ra, 0) if num_adapters == 1 else ra
+        slot = jnp.where((row >= 0) & (row < num_adapters), row + 1, 0)
         # ids outside [0, n_experts) keep sorting before or after every span
         e = jnp.clip(flat, -1, n_experts)
         key = e * m + jnp.repeat(slot, top_k, total_repeat_length=flat.shape[0])
