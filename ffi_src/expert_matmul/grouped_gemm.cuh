@@ -44,7 +44,7 @@ struct Problems {
   typename C::StrideC* stride_c;  // nullptr without C
   typename C::StrideD* stride_d;
   const float** ptr_alpha;  // per-group alpha (D = alpha * acc + beta * C), or nullptr: 1
-  float* one;               // a 1.0f for groups without an alpha (nullptr with ptr_alpha)
+  float* one;               // a 1.0f for groups without an alpha (nullptr without kAlphaArray)
   // Where each group of a kLoraK config (lora_k_mainloop.cuh) reads its
   // second operand pair, else nullptr.
   LoraK* lora_k;
