@@ -121,13 +121,18 @@ def _gmm_jnp(lhs, rhs, offsets, slots, alpha, acc, *, transpose_rhs: bool):
     slots = jnp.arange(G, dtype=jnp.int32) if slots is None else slots
     valid = (slots >= 0) & (slots < P)
     _, _, row_group = row_groups(offsets, m)
-    # every row times every group's matrix, then each row's own product: a
-    # value that is not finite stays in its group's rows (ragged_dot's
-    # lowering off the TPU is this product masked by multiplication, where 0
-    # times inf would reach every row)
-    mats = rhs[jnp.clip(slots, 0, P - 1)].astype(_F32)
-    every = jnp.einsum("mk,gkn->gmn", lhs.astype(_F32), mats, precision=_HI)
-    prod = every[jnp.minimum(row_group, G - 1), jnp.arange(m)]
+    # group by group, each row keeping its own group's product: a value that
+    # is not finite stays in its group's rows (ragged_dot's lowering off the
+    # TPU masks the rows by multiplication, where 0 times inf reaches every
+    # row), in memory of one [M, N] product
+    lhs32 = lhs.astype(_F32)
+
+    def one(g, prod):
+        mat = rhs[jnp.clip(slots[g], 0, P - 1)].astype(_F32)
+        return jnp.where((row_group == g)[:, None],
+                         jnp.dot(lhs32, mat, precision=_HI), prod)
+
+    prod = jax.lax.fori_loop(0, G, one, jnp.zeros((m, rhs.shape[-1]), _F32))
     if alpha is not None:
         scale = jnp.concatenate([alpha.astype(_F32), jnp.zeros((1,), _F32)])
         prod = prod * scale[row_group][:, None]

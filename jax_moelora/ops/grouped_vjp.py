@@ -12,11 +12,12 @@ groups are the cells (``ops/grouped_matmul.py``): ``xa``, ``u`` and ``dx``
 are ``gmm`` s reading each cell's ``A`` or ``B`` in place at its pool slot,
 and the two sums are ``tgmm`` s writing each cell's sum at its pool slot
 (``groups_of``), ``dB``'s scale applied in the kernel's epilogue; ``d_xa``
-and ``ds`` are elementwise over ``[M, R]``. On a Hopper GPU that is four
+is elementwise over ``[M, R]`` and ``ds`` the trace of each cell's ``[R,
+R]`` sum of ``xa^T u`` (a third ``tgmm``). On a Hopper GPU that is five
 launches of the CUTLASS grouped GEMM for any number of projections sharing
-the rows (gate and up: one launch each for ``xa``, ``u`` and both sums, one
-``dx`` launch each), and nothing is allocated in proportion to the pools
-beyond their cotangents.
+the rows (gate and up: one launch each for ``xa``, ``u``, the pool sums and
+the scale sums, one ``dx`` launch each), and nothing is allocated in
+proportion to the pools beyond their cotangents.
 
 The rows' layout: expert ``e``'s rows (``offsets``) hold first those that
 fold nothing, then cell ``e * L``'s, ``e * L + 1``'s, ... (what
@@ -197,6 +198,11 @@ def _tables(m: Member, E: int) -> _Tables:
     return _Tables(by_group(m.a_slot, -1), by_group(m.b_slot, -1), by_group(m.scale, 0.0))
 
 
+def _cell_values(per_group: jax.Array, L: int) -> jax.Array:
+    """``[G]`` per cell (``e * L + l``) from ``[E * (L + 1)]`` per group."""
+    return per_group.reshape(-1, L + 1)[:, 1:].reshape(-1)
+
+
 def _sums(sets: list, pools: list, exact: bool, impl: str) -> list[jax.Array]:
     """One ``tgmm`` of ``sets`` (their ``groups_of`` the pool slots' owners
     unless ``exact``): each set's pool cotangent in its pool's dtype (``pools``:
@@ -277,12 +283,18 @@ def _cell_grads(x, members, tables, key, k2, offsets, *, impl, acc, separate, ge
                  for m, t in zip(members, tables)], transpose_rhs=True, impl=impl)
     u = gm.gmm([gm.GmmSet(m.g, m.b_pool, goff, t.b, m.g_plane, m.plane)
                 for m, t in zip(members, tables)], impl=impl)
-    d_xa, d_scale = [], []
-    for m, xa_m, u_m in zip(members, xa, u):
+    d_xa = []
+    for m, u_m in zip(members, u):
         s_row = jnp.concatenate([m.scale, jnp.zeros((1,), _F32)])[jnp.minimum(key, G)]
         d_xa.append(rounded(s_row[:, None] * u_m.astype(_F32), u_m.dtype))
-        dot = jnp.sum(xa_m.astype(_F32) * u_m.astype(_F32), axis=1)
-        d_scale.append(jax.ops.segment_sum(dot, key, num_segments=G + 1)[:G])
+    # ds = sum_rows xa . u: the trace of each group's fp32 sum of xa^T u (a
+    # kernel's fixed order, where a scatter-add by cell would not be)
+    step = _ext.GROUPED_MATMUL_MAX_SETS
+    d_scale = [_cell_values(jnp.trace(t, axis1=1, axis2=2), m.loras)
+               for i in range(0, len(members), step)
+               for t, m in zip(gm.tgmm([gm.TgmmSet(a, b, goff) for a, b in
+                                        zip(xa[i:i + step], u[i:i + step])], impl=impl),
+                               members[i:i + step])]
     dx_sets = [gm.GmmSet(d, m.a_pool, goff, t.a, 0, m.plane)
                for d, m, t in zip(d_xa, members, tables)]
     if separate:
@@ -297,7 +309,6 @@ def _cell_grads(x, members, tables, key, k2, offsets, *, impl, acc, separate, ge
         sets += [gm.TgmmSet(d, x, goff, groups_of=_owners(t.a, P)),
                  gm.TgmmSet(m.g, xa_m, goff, m.g_plane, 0, _owners(t.b, P), t.scale)]
         pools += [(m.a_pool.dtype, t.a, P), (m.b_pool.dtype, t.b, P)]
-    step = _ext.GROUPED_MATMUL_MAX_SETS
     sums = [v for i in range(0, len(sets), step)
             for v in _sums(sets[i:i + step], pools[i:i + step], general, impl)]
     if general:
