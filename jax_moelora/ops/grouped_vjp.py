@@ -198,6 +198,13 @@ def _tables(m: Member, E: int) -> _Tables:
     return _Tables(by_group(m.a_slot, -1), by_group(m.b_slot, -1), by_group(m.scale, 0.0))
 
 
+def _in_calls(fn, items: list) -> list:
+    """``fn`` over ``items`` in calls of at most ``GROUPED_MATMUL_MAX_SETS``
+    (the operand sets of one ``grouped_matmul``), its results in order."""
+    step = _ext.GROUPED_MATMUL_MAX_SETS
+    return [v for i in range(0, len(items), step) for v in fn(items[i:i + step])]
+
+
 def _cell_values(per_group: jax.Array, L: int) -> jax.Array:
     """``[G]`` per cell (``e * L + l``) from ``[E * (L + 1)]`` per group."""
     return per_group.reshape(-1, L + 1)[:, 1:].reshape(-1)
@@ -289,12 +296,10 @@ def _cell_grads(x, members, tables, key, k2, offsets, *, impl, acc, separate, ge
         d_xa.append(rounded(s_row[:, None] * u_m.astype(_F32), u_m.dtype))
     # ds = sum_rows xa . u: the trace of each group's fp32 sum of xa^T u (a
     # kernel's fixed order, where a scatter-add by cell would not be)
-    step = _ext.GROUPED_MATMUL_MAX_SETS
+    sums_xu = _in_calls(lambda ss: gm.tgmm(ss, impl=impl),
+                        [gm.TgmmSet(a, b, goff) for a, b in zip(xa, u)])
     d_scale = [_cell_values(jnp.trace(t, axis1=1, axis2=2), m.loras)
-               for i in range(0, len(members), step)
-               for t, m in zip(gm.tgmm([gm.TgmmSet(a, b, goff) for a, b in
-                                        zip(xa[i:i + step], u[i:i + step])], impl=impl),
-                               members[i:i + step])]
+               for t, m in zip(sums_xu, members)]
     dx_sets = [gm.GmmSet(d, m.a_pool, goff, t.a, 0, m.plane)
                for d, m, t in zip(d_xa, members, tables)]
     if separate:
@@ -309,8 +314,8 @@ def _cell_grads(x, members, tables, key, k2, offsets, *, impl, acc, separate, ge
         sets += [gm.TgmmSet(d, x, goff, groups_of=_owners(t.a, P)),
                  gm.TgmmSet(m.g, xa_m, goff, m.g_plane, 0, _owners(t.b, P), t.scale)]
         pools += [(m.a_pool.dtype, t.a, P), (m.b_pool.dtype, t.b, P)]
-    sums = [v for i in range(0, len(sets), step)
-            for v in _sums(sets[i:i + step], pools[i:i + step], general, impl)]
+    sums = _in_calls(lambda part: _sums([a for a, _ in part], [b for _, b in part], general,
+                                        impl), list(zip(sets, pools)))
     if general:
         inverse = jnp.zeros((M,), jnp.int32).at[order].set(jnp.arange(M, dtype=jnp.int32))
         dx = [d[inverse] for d in dx] if separate else dx[inverse]
