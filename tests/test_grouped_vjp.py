@@ -78,11 +78,14 @@ def test_grouped_equals_dense_formulation(rng, sort, L):
         assert _rel(a, b) <= 1e-5, f"{name}: {_rel(a, b):.3g}"
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["cells", "stacked"])
 @pytest.mark.parametrize("sort", [True, False], ids=["by_cell", "by_expert"])
-def test_a_value_not_finite_stays_in_its_cells_rows(rng, sort):
+def test_a_value_not_finite_stays_in_its_cells_rows(rng, sort, stacked):
     """A NaN in one cell's A reaches that cell's rows' ``dx`` and its B
     cotangent (through ``xa``), as in the reference; every other row keeps
-    the ``dx`` bits it has with a finite A, in either row order."""
+    the ``dx`` bits it has with a finite A, in either row order and whichever
+    form is asked for (the stacked form, whose zeros would carry the NaN to
+    the expert's other cells, gives way to the cells' own)."""
     route = make_route(rng, P=11, R=8, K=16, N=24, L=3, E=4)
     M = 80
     adapter, expert, _, ok = _rows(rng, route, M, sort=True)
@@ -100,7 +103,8 @@ def test_a_value_not_finite_stays_in_its_cells_rows(rng, sort):
     bad = route.replace(a_pool=jnp.asarray(a_pool))
     x = jnp.asarray(rng.normal(size=(M, 16)), jnp.float32)
     g = jnp.asarray(rng.normal(size=(M, 24)), jnp.float32)
-    run = jax.jit(lambda x, m, k, o: grouped_vjp.lora_grads(x, [m], k, o, impl="jnp"))
+    run = jax.jit(lambda x, m, k, o: grouped_vjp.lora_grads(x, [m], k, o, impl="jnp",
+                                                            stacked=stacked))
     off = _offsets(expert, 4)
     dx, _ = run(x, grouped_vjp.member(route, g), key, off)
     dx_bad, (grads,) = run(x, grouped_vjp.member(bad, g), key, off)
@@ -111,6 +115,48 @@ def test_a_value_not_finite_stays_in_its_cells_rows(rng, sort):
     np.testing.assert_array_equal(np.asarray(dx_bad)[~own], np.asarray(dx)[~own])
     b_slot = int(np.asarray(route.b_table)[l0, e0])
     assert np.isnan(np.asarray(grads.d_b_pool)[b_slot]).any()
+
+
+@pytest.mark.parametrize("where", ["x", "g"])
+@pytest.mark.parametrize("stacked", [False, True], ids=["cells", "stacked"])
+def test_a_row_not_finite_reaches_its_own_cells_sums_only(rng, stacked, where):
+    """An inf in one folding row's ``x`` (or ``g``) reaches the ``A`` (or
+    ``B``) cotangent of that row's cell; the other cells of its expert keep
+    finite sums, whichever form is asked for."""
+    L, E = 3, 4
+    route = make_route(rng, P=14, R=8, K=16, N=24, L=L, E=E)
+    cells = (1 + np.arange(L)[:, None] * E + np.arange(E)[None, :]).astype(np.int32)
+    route = route.replace(a_table=jnp.asarray(cells), b_table=jnp.asarray(cells))
+    M = 90
+    adapter, expert, _, ok = _rows(rng, route, M, sort=True)
+    key = grouped_vjp.cell_keys(L, E, adapter, expert, ok)
+    o = _by_cell(key, expert, L, E)
+    expert, key = expert[o], key[o]
+    k = np.asarray(key)
+    row = int(np.flatnonzero(k < L * E)[0])
+    x = np.asarray(rng.normal(size=(M, 16)), np.float32)
+    g = np.asarray(rng.normal(size=(M, 24)), np.float32)
+    (x if where == "x" else g)[row, 3] = np.inf
+    dx, (gr,) = jax.jit(lambda x, m, k, o: grouped_vjp.lora_grads(
+        x, [m], k, o, impl="jnp", stacked=stacked))(
+        jnp.asarray(x), grouped_vjp.member(route, jnp.asarray(g)), key, _offsets(expert, E))
+    pool = np.asarray(gr.d_a_pool if where == "x" else gr.d_b_pool)
+    e0, l0 = divmod(int(k[row]), L)
+    assert not np.isfinite(pool[cells[l0, e0]]).all()
+    others = [cells[l, e0] for l in range(L) if l != l0 and (k == e0 * L + l).any()]
+    assert others and all(np.isfinite(pool[s]).all() for s in others)
+
+
+def test_stacked_form_where_cells_hold_few_rows():
+    """``stacked=None`` takes the stacked form for several adapters, few rows
+    a cell on average and a small rank (Qwen3-30B-A3B at 512 tokens, 4
+    adapters of rank 16: 8 rows a cell), the cells' own tiles otherwise."""
+    rows = grouped_vjp.STACKED_MAX_ROWS * 128 * 4
+    assert grouped_vjp.stacked_default(4096, 128, 4, 16)
+    assert grouped_vjp.stacked_default(rows, 128, 4, grouped_vjp.STACKED_MAX_RANK)
+    assert not grouped_vjp.stacked_default(rows + 1, 128, 4, 16)
+    assert not grouped_vjp.stacked_default(4096, 128, 4, grouped_vjp.STACKED_MAX_RANK + 1)
+    assert not grouped_vjp.stacked_default(4096, 128, 1, 16)
 
 
 @pytest.mark.parametrize("L", [1, 2])
@@ -160,11 +206,14 @@ def _predicate_inputs(fn, args, names) -> set:
     return {n for n, v in zip(names, jaxpr.jaxpr.invars) if v in need}
 
 
-def test_one_branch_on_the_tables_and_the_row_layout(rng):
+@pytest.mark.parametrize("stacked", [False, True], ids=["cells", "stacked"])
+def test_one_branch_on_the_tables_and_the_row_layout(rng, stacked):
     """The backward of gate and up has one ``cond``. Its predicate reads the
     slot tables (do two cells share a slot) and the rows' keys and offsets (are
     the rows in the cell layout); with ``rows_by_cell`` the caller vouches for
-    the layout and it reads the tables alone."""
+    the layout and it reads the tables alone. The stacked form's predicate
+    also reads the values its zeros multiply: ``x``, the cotangents and the
+    ``A`` pools (are they finite)."""
     route = make_route(rng, P=9, R=8, K=16, N=24, L=2, E=4)
     M = 40
     adapter, expert, _, ok = _rows(rng, route, M, sort=True)
@@ -175,11 +224,13 @@ def test_one_branch_on_the_tables_and_the_row_layout(rng):
     leaves = jax.tree_util.tree_leaves_with_path(members)
     names = ["x", "key", "offsets"] + [jax.tree_util.keystr(p) for p, _ in leaves]
     args = (x, key, _offsets(expert, 4), members)
+    values = {"x", "[0].g", "[1].g", "[0].a_pool", "[1].a_pool"} if stacked else set()
     for by_cell in (False, True):
         used = _predicate_inputs(lambda x, k, o, ms: grouped_vjp.lora_grads(
-            x, ms, k, o, impl="jnp", rows_by_cell=by_cell), args, names)
+            x, ms, k, o, impl="jnp", rows_by_cell=by_cell, stacked=stacked), args, names)
         tables = {n for n in used if n.endswith(("a_slot", "b_slot"))}
-        assert tables and used - tables == (set() if by_cell else {"key", "offsets"}), used
+        layout = set() if by_cell else {"key", "offsets"}
+        assert tables and used - tables == layout | values, used
 
 
 def _by_cell(key, expert, L: int, E: int):
@@ -189,13 +240,14 @@ def _by_cell(key, expert, L: int, E: int):
     return np.lexsort((np.where(k < L * E, k, -1), np.asarray(expert)))
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["cells", "stacked"])
 @pytest.mark.parametrize("order", ["by_cell", "by_expert"])
 @pytest.mark.parametrize("tables", ["distinct", "shared"])
-def test_each_branch_equals_the_dense_formulation(rng, order, tables):
+def test_each_branch_equals_the_dense_formulation(rng, order, tables, stacked):
     """Rows in the cell layout with a slot a cell (the branch that writes each
-    sum at its slot), rows in another order or cells sharing slots (the branch
-    that sorts the rows and adds the sums by slot): the cotangents of the dense
-    formulation either way."""
+    sum at its slot, by cell or stacked), rows in another order or cells
+    sharing slots (the branch that sorts the rows and adds the sums by slot):
+    the cotangents of the dense formulation either way."""
     L, E, P = 3, 4, 14
     route = make_route(rng, P=P, R=8, K=16, N=24, L=L, E=E)
     if tables == "distinct":
@@ -214,8 +266,9 @@ def test_each_branch_equals_the_dense_formulation(rng, order, tables):
     g = jnp.asarray(rng.normal(size=(M, 24)), jnp.float32)
     want = autodiff.fold_rows_vjp(x, route, g, jnp.arange(M, dtype=jnp.int32), cell, ok,
                                   mode="dense")
-    dx, (gr,) = jax.jit(lambda x, m, k, o: grouped_vjp.lora_grads(x, [m], k, o, impl="jnp"))(
-        x, grouped_vjp.member(route, g), key, _offsets(expert, E))
+    dx, (gr,) = jax.jit(lambda x, m, k, o: grouped_vjp.lora_grads(
+        x, [m], k, o, impl="jnp", stacked=stacked))(x, grouped_vjp.member(route, g), key,
+                                                     _offsets(expert, E))
     got = (dx, gr.d_a_pool, gr.d_b_pool, gr.d_scale.reshape(E, L).T)
     for name, a, b in zip(("dx", "d_a_pool", "d_b_pool", "d_scale"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
@@ -249,9 +302,10 @@ def test_stacked_members_equal_separate_calls(rng):
 
 
 @GPU
+@pytest.mark.parametrize("stacked", [False, True], ids=["cells", "stacked"])
 @pytest.mark.parametrize("order", ["by_cell", "by_expert"])
 @pytest.mark.parametrize("L", [1, 4])
-def test_kernels_match_the_jnp_form(rng, L, order):
+def test_kernels_match_the_jnp_form(rng, L, order, stacked):
     """bf16 on the CUDA kernels against the same formulation in jnp, rows in
     the cell layout or only grouped by expert: equal within bf16 error, the
     pool and scale cotangents the same bits on a second run."""
@@ -269,7 +323,8 @@ def test_kernels_match_the_jnp_form(rng, L, order):
         expert, key = expert[o], key[o]
     x = jnp.asarray(rng.normal(size=(M, 256)), dt)
     g = jnp.asarray(rng.normal(size=(M, 128)), dt)
-    run = jax.jit(lambda x, m, k, o, impl: grouped_vjp.lora_grads(x, [m], k, o, impl=impl),
+    run = jax.jit(lambda x, m, k, o, impl: grouped_vjp.lora_grads(x, [m], k, o, impl=impl,
+                                                                  stacked=stacked),
                   static_argnums=4)
     m, off = grouped_vjp.member(route, g), _offsets(expert, 8)
     dx, (grads,) = run(x, m, key, off, "fast")

@@ -31,10 +31,28 @@ into fp32 pools. One ``lax.cond`` a call decides (on a GPU its predicate is
 read by the host once per call); with ``rows_by_cell`` the caller promises
 the layout and the predicate reads the tables only.
 
+The stacked form (``stacked``; by default where cells hold few rows,
+:func:`stacked_default`) takes the three wide terms by expert instead, one
+group an expert: ``spread(v) [M, L * R]`` puts each row's ``v [M, R]`` in
+its adapter's ``R`` columns (zeros elsewhere), ``A_e [L * R, K]`` stacks
+expert ``e``'s cells' ``A`` blocks (gathered from the pool), and::
+
+    dx  += spread(d_xa) A_e
+    dA_e = sum_rows spread(d_xa)^T x        dB_e = sum_rows g^T spread(xa)
+
+the ``[L * R, K]`` and ``[N, L * R]`` sums then moved to the cells' slots
+(``dB`` scaled on the way). A tile spans an expert's rows of every adapter
+where the cells' own tiles would each hold a cell's few rows: ``L`` times
+fewer tiles for the price of a gather of the ``A`` blocks and a copy of the
+sums. It adds products by the spread's zeros, exact for finite values, so
+it runs only where ``x``, the cotangents and the gathered ``A`` are finite
+(the same ``cond``, then a ``switch``, reads them); elsewhere the cells'
+own tiles keep a non-finite value in its cell.
+
 Numerics: every product accumulates in fp32; ``xa`` and ``u`` are rounded to
 the activation dtype, ``d_xa`` once more after the scale (exact for a scale
 that is a power of two), ``dx`` once per term it accumulates, the sums once
-to the pools' dtype. Every kernel writes each output element from one CTA
+to the pools' dtype (the stacked form's ``dB`` once more after its scale). Every kernel writes each output element from one CTA
 in a fixed order, and a pool slot used by one cell receives one sum: the
 pool and scale cotangents are the same bits on every run. (When several
 cells share a pool slot, the slot's sum is a scatter-add whose order is not
@@ -57,9 +75,14 @@ from jax_moelora.ops.jnp_fold import rounded
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["Member", "member", "cell_keys", "group_keys", "expert_offsets_of", "lora_grads",
-           "ProjectionGrads"]
+           "ProjectionGrads", "stacked_default", "STACKED_MAX_ROWS", "STACKED_MAX_RANK"]
 
 _F32 = jnp.float32
+
+STACKED_MAX_ROWS = 32
+"""Mean rows per cell at or below which :func:`stacked_default` takes the stacked form."""
+STACKED_MAX_RANK = 32
+"""Largest rank :func:`stacked_default` takes the stacked form at."""
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -231,9 +254,21 @@ def expert_offsets_of(key: jax.Array, L: int, E: int) -> jax.Array:
     return gm.group_offsets(counts)
 
 
+def stacked_default(rows: int, experts: int, loras: int, rank: int) -> bool:
+    """What ``stacked=None`` takes: the stacked form (module docstring) when
+    there are several adapters, a cell holds on average at most
+    :data:`STACKED_MAX_ROWS` rows (``rows / (experts * loras)``) and the rank
+    is at most :data:`STACKED_MAX_RANK`. There the cells' own tiles are mostly
+    empty and their count, not bytes, bounds the wide terms, while the copies
+    the stacked form adds (about three passes over the pools) stay small."""
+    return (loras > 1 and rows <= STACKED_MAX_ROWS * experts * loras
+            and rank <= STACKED_MAX_RANK)
+
+
 def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
                offsets: jax.Array, *, impl: str, acc: jax.Array | None = None,
-               separate: bool = False, rows_by_cell: bool = False
+               separate: bool = False, rows_by_cell: bool = False,
+               stacked: bool | None = None
                ) -> tuple[jax.Array | list[jax.Array], list[ProjectionGrads]]:
     """The backward of the members' folds over rows grouped by expert.
 
@@ -252,6 +287,8 @@ def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
       separate: return each member's ``dx`` (one launch for all of them)
         instead of their sum (one launch each, accumulating); ``acc`` unused.
       rows_by_cell: the caller's rows are in the cell layout (static).
+      stacked: the wide terms by expert over the stacked cells (module
+        docstring) where the values allow; None: :func:`stacked_default`.
 
     Returns:
       ``(dx_rows [M, K] in x's dtype (a list of them with separate),
@@ -260,32 +297,34 @@ def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
     """
     L, G = members[0].loras, members[0].a_slot.shape[0]
     E = G // L
+    R = max(int(m.a_pool.shape[-2]) for m in members)
+    if stacked is None:
+        stacked = stacked_default(x_rows.shape[0], E, L, R)
     k2 = group_keys(key, offsets, L)
     shared = functools.reduce(jnp.logical_or, [_shared(m.a_slot, m.pool_size) |
                                                _shared(m.b_slot, m.pool_size) for m in members])
     fast = ~shared if rows_by_cell else ~shared & jnp.all(k2[1:] >= k2[:-1])
     tables = [_tables(m, E) for m in members]
+    kw = dict(impl=impl, acc=None if separate else acc, separate=separate)
+    branches = [lambda: _cell_grads(x_rows, members, tables, key, k2, offsets, general=True,
+                                    **kw),
+                lambda: _cell_grads(x_rows, members, tables, key, k2, offsets, general=False,
+                                    **kw)]
+    if not stacked:
+        return jax.lax.cond(fast, branches[1], branches[0])
+    a_cells = [_a_cells(m, E) for m in members]
+    finite = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(v)) for v in
+                                                [x_rows, *a_cells] + [m.g_rows() for m in members]])
+    branches.append(lambda: _stacked_grads(x_rows, members, tables, a_cells, key, k2, offsets,
+                                           **kw))
+    return jax.lax.switch(jnp.where(fast, jnp.where(finite, 2, 1), 0), branches)
 
-    def branch(general: bool):
-        return lambda: _cell_grads(x_rows, members, tables, key, k2, offsets, impl=impl,
-                                   acc=None if separate else acc, separate=separate,
-                                   general=general)
 
-    return jax.lax.cond(fast, branch(False), branch(True))
-
-
-def _cell_grads(x, members, tables, key, k2, offsets, *, impl, acc, separate, general):
-    """:func:`lora_grads` on rows in the cell layout, whose pool cotangents are
-    written at the slots (``general``: the rows sorted into the layout first
-    and the per-group sums added by slot)."""
-    M, G = x.shape[0], members[0].a_slot.shape[0]
-    J = tables[0].a.shape[0]
-    if general:
-        order = jnp.argsort(k2, stable=True).astype(jnp.int32)
-        x, key, k2 = x[order], key[order], k2[order]
-        members = [dataclasses.replace(m, g=jnp.take(m.g, order, axis=-2)) for m in members]
-        acc = None if acc is None else acc[order]
-    goff = _group_offsets(k2, offsets, J)
+def _cell_terms(x, members, tables, key, goff, impl):
+    """``(xa, u, d_xa, d_scale)`` per member over the cells' groups ``goff``:
+    ``xa [M, R]``, ``u [M, R]`` and ``d_xa [M, R]`` in the activation dtype,
+    ``d_scale`` f32 ``[G]``."""
+    G = members[0].a_slot.shape[0]
     xa = gm.gmm([gm.GmmSet(x, m.a_pool, goff, t.a, 0, m.plane)
                  for m, t in zip(members, tables)], transpose_rhs=True, impl=impl)
     u = gm.gmm([gm.GmmSet(m.g, m.b_pool, goff, t.b, m.g_plane, m.plane)
@@ -300,14 +339,35 @@ def _cell_grads(x, members, tables, key, k2, offsets, *, impl, acc, separate, ge
                         [gm.TgmmSet(a, b, goff) for a, b in zip(xa, u)])
     d_scale = [_cell_values(jnp.trace(t, axis1=1, axis2=2), m.loras)
                for t, m in zip(sums_xu, members)]
-    dx_sets = [gm.GmmSet(d, m.a_pool, goff, t.a, 0, m.plane)
-               for d, m, t in zip(d_xa, members, tables)]
+    return xa, u, d_xa, d_scale
+
+
+def _dx(dx_sets, acc, separate: bool, impl: str):
+    """The ``gmm`` s of ``dx``: one launch of all sets (``separate``: one
+    ``dx`` each) or one launch a set accumulating into ``acc``."""
     if separate:
-        dx = gm.gmm(dx_sets, impl=impl)
-    else:
-        dx = acc
-        for dx_set in dx_sets:
-            dx = gm.gmm([dx_set], acc=None if dx is None else [dx], impl=impl)[0]
+        return gm.gmm(dx_sets, impl=impl)
+    dx = acc
+    for dx_set in dx_sets:
+        dx = gm.gmm([dx_set], acc=None if dx is None else [dx], impl=impl)[0]
+    return dx
+
+
+def _cell_grads(x, members, tables, key, k2, offsets, *, impl, acc, separate, general):
+    """:func:`lora_grads` on rows in the cell layout, whose pool cotangents are
+    written at the slots (``general``: the rows sorted into the layout first
+    and the per-group sums added by slot)."""
+    M = x.shape[0]
+    J = tables[0].a.shape[0]
+    if general:
+        order = jnp.argsort(k2, stable=True).astype(jnp.int32)
+        x, key, k2 = x[order], key[order], k2[order]
+        members = [dataclasses.replace(m, g=jnp.take(m.g, order, axis=-2)) for m in members]
+        acc = None if acc is None else acc[order]
+    goff = _group_offsets(k2, offsets, J)
+    xa, _, d_xa, d_scale = _cell_terms(x, members, tables, key, goff, impl)
+    dx = _dx([gm.GmmSet(d, m.a_pool, goff, t.a, 0, m.plane)
+              for d, m, t in zip(d_xa, members, tables)], acc, separate, impl)
     sets, pools = [], []
     for m, t, d, xa_m in zip(members, tables, d_xa, xa):
         P = m.pool_size
@@ -321,3 +381,63 @@ def _cell_grads(x, members, tables, key, k2, offsets, *, impl, acc, separate, ge
         dx = [d[inverse] for d in dx] if separate else dx[inverse]
     return dx, [ProjectionGrads(sums[2 * i], sums[2 * i + 1], ds)
                 for i, ds in enumerate(d_scale)]
+
+
+def _a_cells(m: Member, E: int) -> jax.Array:
+    """``[E, L * R, K]``: expert ``e``'s cells' ``A`` blocks stacked (zeros
+    for a cell that folds nothing), the ``dx`` operand of the stacked form."""
+    a = _pool(m.a_pool, m.plane)
+    got = jnp.take(a, jnp.clip(m.a_slot, 0, a.shape[0] - 1), axis=0)
+    got = jnp.where((m.a_slot >= 0)[:, None, None], got, jnp.zeros((), a.dtype))
+    return got.reshape(E, -1, a.shape[-1])
+
+
+def _spread(v: jax.Array, key: jax.Array, L: int, G: int) -> jax.Array:
+    """``[M, L * R]``: row ``r``'s ``v [M, R]`` in the columns of its cell's
+    adapter (``key % L``), zeros elsewhere and for a row that folds nothing."""
+    M, R = v.shape
+    col = jnp.where(key < G, key % L, L)
+    own = (jnp.arange(L, dtype=jnp.int32)[None, :] == col[:, None])[:, :, None]
+    return jnp.where(own, v[:, None, :], jnp.zeros((), v.dtype)).reshape(M, L * R)
+
+
+def _by_slot(cells: jax.Array, slot: jax.Array, P: int) -> jax.Array:
+    """A pool cotangent ``[P, ...]`` from per-cell values ``cells [G, ...]``
+    (distinct slots): each slot takes its cell's value, zeros for no cell."""
+    owner = _owners(slot, P)
+    got = jnp.take(cells, jnp.clip(owner, 0, cells.shape[0] - 1), axis=0)
+    return jnp.where((owner >= 0).reshape((-1,) + (1,) * (cells.ndim - 1)), got,
+                     jnp.zeros((), cells.dtype))
+
+
+def _stacked_grads(x, members, tables, a_cells, key, k2, offsets, *, impl, acc, separate):
+    """:func:`lora_grads` on rows in the cell layout with distinct slots and
+    finite values, its wide terms by expert: ``dx = spread(d_xa) a_cells``,
+    the ``dA`` cells from ``spread(d_xa)^T x`` and the ``dB`` cells from
+    ``g^T spread(xa)`` (one tgmm group an expert), then moved to the slots."""
+    G, L = members[0].a_slot.shape[0], members[0].loras
+    E = G // L
+    goff = _group_offsets(k2, offsets, tables[0].a.shape[0])
+    xa, _, d_xa, d_scale = _cell_terms(x, members, tables, key, goff, impl)
+    d_sp = [_spread(d, key, L, G) for d in d_xa]
+    dx = _dx([gm.GmmSet(d, a, offsets) for d, a in zip(d_sp, a_cells)], acc, separate, impl)
+    # the sums rounded by the kernel where the pools take the operands' dtype
+    # (dB then rounded once more after its scale, in the copy to the slots)
+    rounded_ok = all(jnp.dtype(m.a_pool.dtype) == jnp.dtype(x.dtype) and
+                     jnp.dtype(m.b_pool.dtype) == jnp.dtype(m.g.dtype) for m in members)
+    sets = [gm.TgmmSet(d, x, offsets) for d in d_sp]
+    sets += [gm.TgmmSet(m.g, _spread(xa_m, key, L, G), offsets, m.g_plane)
+             for m, xa_m in zip(members, xa)]
+    sums = _in_calls(lambda ss: gm.tgmm(ss, impl=impl, rounded=rounded_ok), sets)
+    da, db = sums[:len(members)], sums[len(members):]
+    grads = []
+    for m, da_m, db_m, ds in zip(members, da, db, d_scale):
+        P, R = m.pool_size, da_m.shape[1] // L
+        da_cells = da_m.reshape(G, R, -1)
+        n = db_m.shape[1]
+        db_cells = jnp.swapaxes(db_m.reshape(E, n, L, R), 1, 2).reshape(G, n, R)
+        db_cells = db_cells.astype(_F32) * m.scale[:, None, None]
+        grads.append(ProjectionGrads(_by_slot(da_cells, m.a_slot, P).astype(m.a_pool.dtype),
+                                     _by_slot(db_cells, m.b_slot, P).astype(m.b_pool.dtype),
+                                     ds))
+    return dx, grads
