@@ -52,9 +52,10 @@ own tiles keep a non-finite value in its cell.
 Numerics: every product accumulates in fp32; ``xa`` and ``u`` are rounded to
 the activation dtype, ``d_xa`` once more after the scale (exact for a scale
 that is a power of two), ``dx`` once per term it accumulates, the sums once
-to the pools' dtype (the stacked form's ``dB`` once more after its scale). Every kernel writes each output element from one CTA
-in a fixed order, and a pool slot used by one cell receives one sum: the
-pool and scale cotangents are the same bits on every run. (When several
+to the pools' dtype (the stacked form's ``dB`` once more after its scale).
+Every kernel writes each output element from one CTA in a fixed order, and a
+pool slot used by one cell receives one sum: the pool and scale cotangents
+are the same bits on every run, in either form. (When several
 cells share a pool slot, the slot's sum is a scatter-add whose order is not
 fixed.)
 """
