@@ -1,11 +1,12 @@
-"""``step_profile.overhead_split``: what LoRA adds to a step, from two kernel
-profiles (``demo --timing --trace``)."""
+"""``step_profile``: what LoRA adds to a step, from two kernel profiles (``demo
+--timing --trace``), and the kernels of a traced benchmark row."""
 
 from __future__ import annotations
 
 import pytest
 
-from jax_moelora.tools.step_profile import LIBRARY_KERNEL_MARK, overhead_split
+from jax_moelora.tools import step_profile
+from jax_moelora.tools.step_profile import LIBRARY_KERNEL_MARK, overhead_split, short_name
 
 
 def _profile(kernels: dict[str, float], span: float) -> dict:
@@ -34,3 +35,27 @@ def test_overhead_split_counts_library_kernels_of_the_base_variant_out():
     split = overhead_split(_profile({gemm: 700.0}, 700.0), _profile({gemm: 700.0, fold: 90.0},
                                                                     790.0))
     assert split["library_us"] == pytest.approx(90.0) and split["xla_us"] == pytest.approx(0.0)
+
+
+def test_long_kernel_names_keep_the_tail_that_tells_them_apart():
+    head = "_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalINS1_17GroupProblemShape" * 3
+    a, b = head + "Li128ELi64EEE", head + "Li128ELi128EEE"
+    assert short_name(a) != short_name(b)
+    assert len(short_name(a)) == 80 and short_name(a).startswith(head[:40])
+    assert short_name("loop_add_fusion") == "loop_add_fusion"
+
+
+def test_trace_into_records_time_span_and_launches_per_step(monkeypatch):
+    """Each kernel (long names told apart by their tail): its µs and launches a
+    step, the step's kernel time and span."""
+    gemm = "g" * 90
+    prof = {"per_call_us": {gemm + "1": 30.0, gemm + "2": 20.0, "loop_add_fusion": 5.0},
+            "count": {gemm + "1": 3.0, gemm + "2": 2.0, "loop_add_fusion": 1.0},
+            "total_us": 55.0, "span_us": 70.0, "processes": []}
+    monkeypatch.setattr(step_profile, "kernel_times", lambda fn, calls, folder: prof)
+    row: dict = {}
+    step_profile.trace_into(row, lambda: None, calls=4, folder="unused")
+    assert row["kernel_us"] == 55.0 and row["span_us"] == 70.0
+    assert row["kernels"] == {short_name(gemm + "1"): 30.0, short_name(gemm + "2"): 20.0,
+                              "loop_add_fusion": 5.0}
+    assert sum(row["launches"].values()) == 6.0

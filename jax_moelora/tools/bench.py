@@ -81,7 +81,8 @@ RAGGED_MAX_BYTES = {"gpu": 16 << 30, "cpu": 64 << 20}
 
 ROW_FIELDS = ("model", "proj", "tokens", "phase", "rank", "adapters", "method", "time_us",
               "floor_us", "pct_floor", "bytes", "bandwidth", "check", "check_err", "skipped",
-              "error", "pairs", "rows", "reps", "runs", "unroll", "kernel_us", "kernels")
+              "error", "pairs", "rows", "reps", "runs", "unroll", "kernel_us", "span_us", "kernels",
+              "launches")
 
 
 @dataclasses.dataclass
@@ -234,7 +235,7 @@ def _row(case: Case, method: str, nbytes: dict, bandwidth: float, s: Settings) -
             "bytes": nbytes["total"], "bandwidth": bandwidth, "check": None, "check_err": None,
             "skipped": None, "error": None, "pairs": nbytes["pairs"], "rows": case.n_rows,
             "reps": s.reps, "runs": s.runs, "unroll": _unroll(s, method), "kernel_us": None,
-            "kernels": None}
+            "span_us": None, "kernels": None, "launches": None}
 
 
 def _bench_case(case: Case, s: Settings, bandwidth: float, progress: Progress, task,

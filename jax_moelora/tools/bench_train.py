@@ -98,7 +98,8 @@ ROW_FIELDS = ("model", "tokens", "rank", "adapters", "rows", "program", "fold", 
               "vs_fwd", "bytes", "flops", "byte_floor_us", "tc_floor_us", "floor_us",
               "pct_floor", "pct_byte_floor", "pct_tc_floor", "peak_bytes", "mem_vs_fwd",
               "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "xla_peak_bytes",
-              "check", "check_err", "error", "reps", "runs", "kernel_us", "kernels")
+              "check", "check_err", "error", "reps", "runs", "kernel_us", "span_us", "kernels",
+              "launches")
 _F32 = jnp.float32
 
 Step = Callable[[Any], Any]   # args -> output: one step
@@ -521,7 +522,8 @@ def bench_case(case: TrainCase, s: TrainSettings, bandwidth: float, rate: float,
                       f"peak {_mib(r['peak_bytes'])} MiB) {r['error'] or r['check'] or ''}",
                       highlight=False)
         if r.get("kernel_us"):
-            console.print(f"  kernels {r['kernel_us']:,.1f} µs a step:\n" + top_kernels(r),
+            console.print(f"  kernels {r['kernel_us']:,.1f} µs a step ({_launches(r)} launches "
+                          f"over {r['span_us']:,.1f} µs):\n" + top_kernels(r),
                           highlight=False, end="")
     del inputs, block
     return rows
@@ -555,6 +557,11 @@ def run_train_bench(s: TrainSettings, console: Console | None = None
 
 def _fmt(v: float | None, digits: int = 1) -> str:
     return "–" if v is None else f"{v:,.{digits}f}"
+
+
+def _launches(row: dict) -> str:
+    """The kernel launches a step of a traced row, summed over its kernels."""
+    return f"{sum((row.get('launches') or {}).values()):,.0f}"
 
 
 def _mib(v: int | None) -> str:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import jax
 
 __all__ = ["kernel_times", "overhead_split", "read_trace", "trace_into", "top_kernels",
-           "LIBRARY_KERNEL_MARK"]
+           "short_name", "LIBRARY_KERNEL_MARK"]
 
 #: A substring of the name of every kernel of this library (its C++ namespace).
 LIBRARY_KERNEL_MARK = "moelora::"
@@ -73,19 +73,36 @@ def kernel_times(fn: Callable, *args: Any, calls: int, folder: str | Path) -> di
             "count": {k: v / calls for k, v in count.items()}, "processes": processes}
 
 
+def short_name(name: str, width: int = 80) -> str:
+    """``name`` cut to ``width`` characters, its head and its tail kept: the
+    mangled names of two CUTLASS kernels share a long head (the kernel
+    template) and differ in their tail (the configuration)."""
+    if len(name) <= width:
+        return name
+    tail = width // 4
+    return f"{name[:width - tail - 3]}...{name[-tail:]}"
+
+
 def trace_into(row: dict[str, Any], fn: Callable[[], Any], *, calls: int,
                folder: str | Path) -> None:
     """Profile one more run of ``fn()`` (``calls`` steps, compiled beforehand)
-    into ``folder``: ``row["kernel_us"]``, the GPU kernel time per step, and
-    ``row["kernels"]``, µs per step of each kernel (names cut at 80
-    characters). ``row`` is left as it is when no GPU kernel was traced."""
+    into ``folder``: ``row["kernel_us"]``, the GPU kernel time per step,
+    ``row["span_us"]``, the wall time from the first kernel's start to the
+    last one's end per step, ``row["kernels"]``, µs per step of each kernel,
+    and ``row["launches"]``, its launches per step (names by
+    :func:`short_name`). ``row`` is left as it is when no GPU kernel was
+    traced."""
     prof = kernel_times(fn, calls=calls, folder=folder)
     if prof["per_call_us"]:
         kernels: dict[str, float] = collections.Counter()
-        for name, us in prof["per_call_us"].items():  # names equal in 80 characters: one sum
-            kernels[name[:80]] += us
+        launches: dict[str, float] = collections.Counter()
+        for name, us in prof["per_call_us"].items():  # names equal when cut: one sum
+            kernels[short_name(name)] += us
+            launches[short_name(name)] += prof["count"].get(name, 0.0)
         row["kernel_us"] = prof["total_us"]
+        row["span_us"] = prof["span_us"]
         row["kernels"] = {k: round(v, 3) for k, v in kernels.items()}
+        row["launches"] = {k: round(v, 3) for k, v in launches.items()}
 
 
 def top_kernels(row: dict[str, Any], n: int = 12) -> str:
