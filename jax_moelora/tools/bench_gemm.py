@@ -265,7 +265,7 @@ def run_gemm_bench(cases: list[GemmCase], methods: tuple[str, ...], *, reps: int
                    "byte_floor_us": f["byte_floor"] * 1e6, "tc_floor_us": f["tc_floor"] * 1e6,
                    "pct_floor": None, "bytes": f["bytes"], "flops": f["flops"], "check": None,
                    "check_err": None, "skipped": None, "error": None, "kernel_us": None,
-                   "kernels": None}
+                   "span_us": None, "kernels": None, "launches": None}
             dense = 4 * c.model.n_experts * c.rows * c.n_out
             if method == "ragged_dot" and dense > ragged_max_bytes:
                 row["skipped"] = f"dense lowering needs {dense / 2**30:.1f} GiB"
