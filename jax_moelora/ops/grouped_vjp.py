@@ -322,9 +322,9 @@ def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
 
 
 def _cell_terms(x, members, tables, key, goff, impl):
-    """``(xa, u, d_xa, d_scale)`` per member over the cells' groups ``goff``:
-    ``xa [M, R]``, ``u [M, R]`` and ``d_xa [M, R]`` in the activation dtype,
-    ``d_scale`` f32 ``[G]``."""
+    """``(xa, d_xa, d_scale)`` per member over the cells' groups ``goff``:
+    ``xa [M, R]`` and ``d_xa [M, R]`` in the activation dtype, ``d_scale`` f32
+    ``[G]``."""
     G = members[0].a_slot.shape[0]
     xa = gm.gmm([gm.GmmSet(x, m.a_pool, goff, t.a, 0, m.plane)
                  for m, t in zip(members, tables)], transpose_rhs=True, impl=impl)
@@ -340,7 +340,7 @@ def _cell_terms(x, members, tables, key, goff, impl):
                         [gm.TgmmSet(a, b, goff) for a, b in zip(xa, u)])
     d_scale = [_cell_values(jnp.trace(t, axis1=1, axis2=2), m.loras)
                for t, m in zip(sums_xu, members)]
-    return xa, u, d_xa, d_scale
+    return xa, d_xa, d_scale
 
 
 def _dx(dx_sets, acc, separate: bool, impl: str):
@@ -366,7 +366,7 @@ def _cell_grads(x, members, tables, key, k2, offsets, *, impl, acc, separate, ge
         members = [dataclasses.replace(m, g=jnp.take(m.g, order, axis=-2)) for m in members]
         acc = None if acc is None else acc[order]
     goff = _group_offsets(k2, offsets, J)
-    xa, _, d_xa, d_scale = _cell_terms(x, members, tables, key, goff, impl)
+    xa, d_xa, d_scale = _cell_terms(x, members, tables, key, goff, impl)
     dx = _dx([gm.GmmSet(d, m.a_pool, goff, t.a, 0, m.plane)
               for d, m, t in zip(d_xa, members, tables)], acc, separate, impl)
     sets, pools = [], []
@@ -419,7 +419,7 @@ def _stacked_grads(x, members, tables, a_cells, key, k2, offsets, *, impl, acc, 
     G, L = members[0].a_slot.shape[0], members[0].loras
     E = G // L
     goff = _group_offsets(k2, offsets, tables[0].a.shape[0])
-    xa, _, d_xa, d_scale = _cell_terms(x, members, tables, key, goff, impl)
+    xa, d_xa, d_scale = _cell_terms(x, members, tables, key, goff, impl)
     d_sp = [_spread(d, key, L, G) for d in d_xa]
     dx = _dx([gm.GmmSet(d, a, offsets) for d, a in zip(d_sp, a_cells)], acc, separate, impl)
     # the sums rounded by the kernel where the pools take the operands' dtype
