@@ -276,6 +276,57 @@ def test_each_branch_equals_the_dense_formulation(rng, order, tables, stacked):
         assert _rel(a, b) <= 1e-5, f"{name}: {_rel(a, b):.3g}"
 
 
+def _spread_xa(x, m: grouped_vjp.Member, key, L: int):
+    """The rows' ``x A^T`` spread by adapter, ``[M, L * R]`` (the layout
+    ``expert_matmul``'s kernel leaves): zeros outside the row's adapter and
+    for a row whose cell folds nothing."""
+    x, key = np.asarray(x, np.float64), np.asarray(key)
+    a_pool = np.asarray(m.a_pool, np.float64)
+    slot = np.asarray(m.a_slot)
+    M, R = x.shape[0], a_pool.shape[1]
+    out = np.zeros((M, L, R))
+    for r in np.flatnonzero(key < slot.shape[0]):
+        if slot[key[r]] >= 0:
+            out[r, key[r] % L] = a_pool[slot[key[r]]] @ x[r]
+    return jnp.asarray(out.reshape(M, L * R), jnp.float32)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["cells", "stacked"])
+@pytest.mark.parametrize("order", ["by_cell", "by_expert"])
+def test_the_forwards_xa_is_read_in_place_of_its_gmm(rng, order, stacked):
+    """``xa=`` (each row's ``x A^T`` as the forward made it, spread by
+    adapter) gives the cotangents computed without it, in either form and
+    row order; and it is what the ``xa`` terms read: twice it doubles ``dB``
+    and ``d_scale`` and leaves ``dx`` and ``dA`` as they are."""
+    L, E, P = 3, 4, 14
+    route = make_route(rng, P=P, R=8, K=16, N=24, L=L, E=E)
+    cells = (1 + np.arange(L)[:, None] * E + np.arange(E)[None, :]).astype(np.int32)
+    cells[rng.random(cells.shape) < 0.2] = 0
+    route = route.replace(a_table=jnp.asarray(cells), b_table=jnp.asarray(cells[::-1]))
+    M = 90
+    adapter, expert, _, ok = _rows(rng, route, M, sort=True)
+    key = grouped_vjp.cell_keys(L, E, adapter, expert, ok)
+    if order == "by_cell":
+        o = _by_cell(key, expert, L, E)
+        expert, key = expert[o], key[o]
+    x = jnp.asarray(rng.normal(size=(M, 16)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(M, 24)), jnp.float32)
+    m, off = grouped_vjp.member(route, g), _offsets(expert, E)
+    run = jax.jit(lambda x, m, k, o, xa: grouped_vjp.lora_grads(
+        x, [m], k, o, impl="jnp", stacked=stacked, xa=xa))
+    xa = _spread_xa(x, m, key, L)
+    want = run(x, m, key, off, None)
+    got = run(x, m, key, off, [xa])
+    twice = run(x, m, key, off, [2 * xa])
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert np.abs(np.asarray(b)).max() > 0
+        assert _rel(a, b) <= 1e-5
+    (dx, (gr,)), (dx2, (gr2,)) = got, twice
+    assert _rel(dx2, dx) <= 1e-6 and _rel(gr2.d_a_pool, gr.d_a_pool) <= 1e-6
+    assert _rel(gr2.d_b_pool, 2 * gr.d_b_pool) <= 1e-6
+    assert _rel(gr2.d_scale, 2 * gr.d_scale) <= 1e-6
+
+
 def test_stacked_members_equal_separate_calls(rng):
     """Gate and up from one stacked pool (two planes, one call of each
     grouped matmul) equal two single-projection backwards."""

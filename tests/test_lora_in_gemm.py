@@ -338,3 +338,48 @@ def test_a_pair_whose_packed_b_is_not_finite_keeps_it_to_itself(rng, dtype, pois
     fin = np.isfinite(a)
     rel = np.linalg.norm(g[fin] - a[fin]) / np.linalg.norm(a[fin])
     assert rel <= DELTA_RTOL[got.dtype], rel
+
+
+@GPU
+@pytest.mark.parametrize("poison", [None, np.inf], ids=["finite", "inf"])
+def test_the_backward_reads_the_kept_xa(rng, poison):
+    """The training forward keeps the kernel's ``xa`` for the backward,
+    marked pairs' rows included (their ``xa`` is written after the GEMM):
+    the pools' and scales' cotangents equal those of the fold after the GEMM
+    (whose backward makes ``xa`` again) within bf16 error, with non-finite
+    values in the same places. With an inf in a pair's ``B``, that slot's
+    ``dB = scale * g^T xa`` stays finite and nonzero."""
+    case = make_case(rng, num_loras=3, E=5, K=128, N=96, M=400, ranks=(16,), max_rank=16,
+                     poison=False)
+    route = case.routes[0]
+    expert, adapter = _rows(case)
+    first = np.flatnonzero(case.fold_rows(route))[0]
+    slot = int(np.asarray(route.b_table)[adapter[first], expert[first]])
+    if poison is not None:
+        b_pool = np.array(route.b_pool)
+        b_pool[slot, 3, 5] = poison
+        route = route.replace(b_pool=b_pool)
+    route = jax.tree.map(jnp.asarray, route)
+    x, w, gsz, ra = (jnp.asarray(v) for v in (case.x, case.ws[0], case.group_sizes,
+                                              case.row_adapter))
+    cot = jnp.asarray(rng.normal(size=(case.M, case.ws[0].shape[2])), jnp.float32)
+
+    def grads(in_gemm):
+        def loss(p):
+            r = route.replace(a_pool=p[0], b_pool=p[1], scale_table=p[2])
+            out = ml.expert_matmul(x, w, gsz, lora=r, row_adapter=ra, impl="fast",
+                                   gather_max_rows=0, lora_in_gemm=in_gemm)
+            return jnp.sum(out.astype(jnp.float32) * cot)
+        return jax.jit(jax.grad(loss))((route.a_pool, route.b_pool, route.scale_table))
+
+    got, want = grads(True), grads(False)
+    for name, g, w_ in zip(("d_a_pool", "d_b_pool", "d_scale"), got, want):
+        g, w_ = np.asarray(g, np.float64), np.asarray(w_, np.float64)
+        np.testing.assert_array_equal(np.isfinite(g), np.isfinite(w_), err_msg=name)
+        fin = np.isfinite(w_)
+        assert np.abs(w_[fin]).max() > 0, name
+        rel = np.linalg.norm(g[fin] - w_[fin]) / np.linalg.norm(w_[fin])
+        assert rel <= 2e-2, f"{name}: {rel:.3g}"
+    if poison is not None:
+        d_b = np.asarray(got[1], np.float64)[slot]
+        assert np.isfinite(d_b).all() and np.abs(d_b).max() > 0

@@ -14,7 +14,10 @@
 //             [min(n_experts, E), L * R, N], each from a multiple of
 //             kExpertMatmulScratchAlign),
 //             xa [M, R] (the fold's scratch; R the larger route rank, or 1), or
-//             with lora_in_gemm [num_weights, M, X], X >= every route's L * R.
+//             with lora_in_gemm [num_weights, M, X], X >= every route's L * R:
+//             weight set i's plane holds, in rows L * R wide from its start,
+//             each folding row's round(x A^T) in the R columns of its table
+//             row and zeros elsewhere (lora_ext.cu; the backward reads it).
 //   attrs:    num_weights (1 or 2), has_lora0, has_lora1, has_row_adapter, sm_count,
 //             pdl (the fold's expand may use programmatic dependent launch),
 //             schedule (ExpertMatmulSchedule: the CUTLASS kernel schedule),
@@ -90,8 +93,8 @@ extern const ExpertGemmKernel kExpertGemmBf16CooperativeLora, kExpertGemmBf16Pin
 // into its xa_ext in the same pass), leaving out the cells that
 // fold.skip_cells (the marks) mark. After the GEMM, fold_marked_rows folds
 // the rows of the pairs fold.skip_cells marks into its output as the fold
-// after the GEMM does (nothing when none is marked). The caller checks
-// fast::grouped_split_fits(fold).
+// after the GEMM does and writes their xa_ext rows (nothing when none is
+// marked). The caller checks fast::grouped_split_fits(fold).
 cudaError_t pack_lora_ext(const GroupedArgs& fold, void* b_ext, int32_t* marks,
                           cudaStream_t stream);
 cudaError_t shrink_lora_ext(const GroupedArgs& fold, cudaStream_t stream);

@@ -21,7 +21,9 @@
 // into NaN (0 * inf). The pack writes 0 in its place and marks the pair; the
 // shrink leaves the marked pairs' rows out of xa_ext, so the GEMM writes
 // their base; after the GEMM, fold_marked_rows folds them as the fold after
-// the GEMM does. It returns at once when no pair is marked.
+// the GEMM does, and writes their xa_ext rows, so that after the call xa_ext
+// holds every folding row's round(x A^T) (what the backward reads). It
+// returns at once when no pair is marked.
 #include <algorithm>
 
 #include "expert_matmul.h"
@@ -79,7 +81,8 @@ __global__ void __launch_bounds__(kPackThreads)
 
 // The rows of the pairs a.skip_cells marks (the pack's marks), after the GEMM (which wrote their base: the
 // shrink left them out): out = round(base + scale * round(round(x A^T) B^T)),
-// the fold after the GEMM, fp32 sums, for the sorted rows of the window
+// the fold after the GEMM, fp32 sums, round(x A^T) also stored in the row's
+// R columns of a.xa (rows a.xa_ld wide, column l * R), for the sorted rows of the window
 // [row_offset, row_end). One warp a row; every CTA returns at once when no
 // pair is marked.
 template <DType D>
@@ -111,12 +114,17 @@ __global__ void __launch_bounds__(kMarkedThreads)
     if (marks[l * rt.n_experts + e] == 0) continue;
     const uint16_t* xr = x + (a.x_gather ? tk : r) * K;
     const uint16_t* A = a_pool + int64_t(pair.a) * R * K;
+    uint16_t* xa_row = static_cast<uint16_t*>(a.xa) + r * a.xa_ld + l * R;
     for (int k = 0; k < R; ++k) {
       float s = 0.f;
       for (int64_t j = lane; j < K; j += 32)
         s += fast::h2f<D>(xr[j]) * fast::h2f<D>(A[k * K + j]);
       s = warp_sum(s);
-      if (lane == 0) s_xa[w][k] = fast::h2f<D>(fast::f2h<D>(s));
+      if (lane == 0) {
+        const uint16_t h = fast::f2h<D>(s);
+        s_xa[w][k] = fast::h2f<D>(h);
+        xa_row[k] = h;
+      }
     }
     __syncwarp();
     const uint16_t* B = b_pool + int64_t(pair.b) * N * R;

@@ -41,7 +41,10 @@ Where the CUTLASS kernel runs the forward, the backward runs on the grouped
 GEMMs of ``ops/grouped_matmul.py`` (docs/design.md, "Backward"): ``dx = g
 w[e]^T`` with the weights read transposed in place, the folds' terms over
 the rows' (adapter, expert) cells (``ops/grouped_vjp.py``), ``dw[e] =
-xs_e^T g_e`` only when ``w`` is differentiated. Every other backend takes
+xs_e^T g_e`` only when ``w`` is differentiated. Where the kernel folds
+inside its K loop it leaves each folding row's ``xa = round(x A^T)``; the
+forward keeps it for the backward, which then reads no ``A`` block to make
+it again. Every other backend takes
 ``ragged_dot``'s transposes in fp32 and the fold VJP (``ops/autodiff.py``).
 ``jax.vmap`` batches every backend (the custom calls and ``ragged_dot`` one
 element at a time).
@@ -284,10 +287,10 @@ def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra):
     gather = cfg.gather and any(r is not None for r in routes)
     if kernel and not gather:  # the GEMM and the grouped fold in one custom call
         return expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes, ra, cfg.pdl,
-                                                   cfg.schedule, cfg.lora_in_gemm)
+                                                   cfg.schedule, cfg.lora_in_gemm)[0]
     if kernel:
         bases = expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, (None,) * len(ws),
-                                                    None, cfg.pdl, cfg.schedule)
+                                                    None, cfg.pdl, cfg.schedule)[0]
     else:
         bases = [_ragged_seq(xs, w, offsets) for w in ws]
     fold_impl = "cpu" if cfg.impl == "cpu" else ("fast" if cfg.impl == "fast" else "jnp")
@@ -301,16 +304,50 @@ def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra):
                       for b, r in zip(bases, routes)])
 
 
+def _kept_xa_shape(cfg: _Cfg, xs, ws, routes) -> tuple[int, int, int] | None:
+    """The shape of the rows' shrinks the CUDA kernel leaves when it folds
+    inside its K loop (``expert_matmul_ffi``'s ``xa``), which the training
+    forward keeps for the backward; None where no such kernel runs."""
+    live = [r for r in routes if r is not None]
+    if not (live and cfg.lora_in_gemm and not cfg.gather and cfg.impl in ("fast", "auto")
+            and backend.cutlass_takes(xs.dtype, ws[0].shape[1], ws[0].shape[2])):
+        return None
+    return (len(ws), xs.shape[0], max(r.max_loras * r.max_rank for r in live))
+
+
+def _forward_keeping_xa(cfg: _Cfg, shape, xs, ws, offsets, stids, routes, ra):
+    """``(the forward, xa)``: ``xa`` the kernel's rows' shrinks of ``shape``
+    (:func:`_kept_xa_shape`; zeros on the other platforms' branches, which
+    never read them), None where ``shape`` is None."""
+    if shape is None:
+        return _forward(cfg, xs, ws, offsets, stids, routes, ra), None
+    if cfg.impl == "auto":
+        return _per_platform(cfg, lambda c, *a: _forward_keeping_xa(c, shape, *a),
+                             xs, ws, offsets, stids, routes, ra)
+    if cfg.impl != "fast":
+        return _forward(cfg, xs, ws, offsets, stids, routes, ra), jnp.zeros(shape, xs.dtype)
+    return expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes,
+                                               ra if cfg.has_ra else None, cfg.pdl,
+                                               cfg.schedule, True)
+
+
+def _spread_xa(xa, i: int, route: MoeExpertRoute) -> jax.Array:
+    """Weight set ``i``'s ``[M, L * R]`` of the kept ``xa [n, M, X]``."""
+    M, width = xa.shape[1], route.max_loras * route.max_rank
+    return xa[i].reshape(-1)[:M * width].reshape(M, width)
+
+
 def _route_ct(route: MoeExpertRoute, grads: grouped_vjp.ProjectionGrads) -> MoeExpertRoute:
     E, L = route.n_experts, route.max_loras
     return autodiff.route_cotangent(route, grads.d_a_pool, grads.d_b_pool,
                                     grads.d_scale.reshape(E, L).T)
 
 
-def _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra, impl: str = "fast"):
+def _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra, impl: str = "fast", xa=None):
     """dx of the folds (or None without LoRA) and the routes' cotangents, by
     the grouped matmuls of ``ops/grouped_vjp.py`` over (adapter, expert)
-    cells: gate and up together where their tables have one shape."""
+    cells: gate and up together where their tables have one shape. ``xa``:
+    the rows' shrinks the forward kept (:func:`_kept_xa_shape`), or None."""
     M = xs.shape[0]
     live = [i for i, r in enumerate(routes) if r is not None]
     droutes: list = [None] * len(routes)
@@ -329,18 +366,20 @@ def _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra, impl: str = "fast"):
         # the tables' experts: the GEMM's first E_t groups (none past its E)
         lora_offsets = jnp.concatenate([offsets[:Et + 1],
                                         jnp.broadcast_to(offsets[E:], (max(Et - E, 0),))])
-        dx, grads = grouped_vjp.lora_grads(xs, members, key, lora_offsets, impl=impl, acc=dx)
+        kept = None if xa is None else [_spread_xa(xa, i, routes[i]) for i in idx]
+        dx, grads = grouped_vjp.lora_grads(xs, members, key, lora_offsets, impl=impl, acc=dx,
+                                           xa=kept)
         for i, gr in zip(idx, grads):
             droutes[i] = _route_ct(routes[i], gr)
     return dx, droutes
 
 
-def _bwd_kernel(args, gs, need_x: bool, need_w: bool, impl: str = "fast"):
+def _bwd_kernel(args, gs, need_x: bool, need_w: bool, impl: str = "fast", xa=None):
     """The backward on the grouped-GEMM kernels: ``dx = sum_i g_i w_i^T`` (the
     weights read transposed in place) plus the folds' ``dx``; ``dw_i[e] =
     xs_e^T g_i`` only when the weights are differentiated."""
     xs, ws, offsets, stids, routes, ra = args
-    dx, droutes = _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra, impl)
+    dx, droutes = _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra, impl, xa)
     if need_x:
         for i, w in enumerate(ws):
             dx = gm.gmm([gm.GmmSet(gs, w, offsets, None, i, 0)], transpose_rhs=True,
@@ -376,12 +415,13 @@ def _bwd_ragged(cfg: _Cfg, args, gs):
     return dxs.astype(xs.dtype), tuple(dws), droutes
 
 
-def _bwd(cfg: _Cfg, args, gs, need_x: bool, need_w: bool):
+def _bwd(cfg: _Cfg, args, gs, need_x: bool, need_w: bool, xa=None):
     """The cotangents of ``(xs, ws, offsets, stids, routes, ra)``: on the
-    kernels where the CUTLASS GEMM ran the forward, else through ``ragged_dot``."""
+    kernels where the CUTLASS GEMM ran the forward (reading the rows' shrinks
+    ``xa`` it kept, if any), else through ``ragged_dot``."""
     xs, ws = args[0], args[1]
     if cfg.impl == "fast" and backend.cutlass_takes(xs.dtype, ws[0].shape[1], ws[0].shape[2]):
-        dx, dws, droutes = _bwd_kernel(args, gs, need_x, need_w)
+        dx, dws, droutes = _bwd_kernel(args, gs, need_x, need_w, xa=xa)
     else:
         dx, dws, droutes = _bwd_ragged(cfg, args, gs)
     return (dx if need_x else None, dws if need_w else None, None, None, tuple(droutes), None)
@@ -409,16 +449,18 @@ def _op(cfg: _Cfg):
         args = _values((xs, ws, offsets, stids, routes, ra))
         # which operands are differentiated, kept as the residuals' (static) structure
         need = tuple(() if _perturbed(p) else None for p in (xs, ws))
-        return _forward(cfg, *args), (args, need)
+        shape = _kept_xa_shape(cfg, args[0], args[1], args[4])
+        out, xa = _forward_keeping_xa(cfg, shape, *args)
+        return out, (args, need, xa)
 
     def bwd(res, gs):
-        args, (need_x, need_w) = res
+        args, (need_x, need_w), xa = res
         if isinstance(gs, SymbolicZero):
             gs = jnp.zeros(gs.shape, gs.dtype)
         need = (need_x is not None, need_w is not None)
         if cfg.impl == "auto":
-            return _per_platform(cfg, lambda c, a, g: _bwd(c, a, g, *need), args, gs)
-        return _bwd(cfg, args, gs, *need)
+            return _per_platform(cfg, lambda c, a, g, x_: _bwd(c, a, g, *need, x_), args, gs, xa)
+        return _bwd(cfg, args, gs, *need, xa)
 
     op.defvjp(fwd, bwd, symbolic_zeros=True)
     return op

@@ -64,8 +64,12 @@ def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter, pdl: bool, sc
     two ``[E, K, N]``) over ``xs [M, K]`` with the CUTLASS kernel of
     ``schedule`` (``"cooperative"`` or ``"pingpong"``), each output folded
     with its route: after the GEMM, or with ``lora_in_gemm`` inside its K
-    loop. Returns ``[len(ws), M, N]``: weight set ``i``'s output is plane
-    ``i``."""
+    loop. Returns ``(out, xa)``: ``out [len(ws), M, N]``, weight set ``i``'s
+    output in plane ``i``; with ``lora_in_gemm``, ``xa [len(ws), M, X]``
+    (``X`` the largest ``L * R``), whose plane ``i`` starts with weight set
+    ``i``'s ``[M, L * R]``: each folding row's ``round(x A^T)`` in the ``R``
+    columns of its table row, zeros elsewhere (what the backward reads, see
+    ``ops/expert_matmul.py``); else the fold's scratch, of no meaning."""
     _ext.register()
     M, _ = xs.shape
     E, _, N = ws[0].shape
@@ -88,10 +92,10 @@ def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter, pdl: bool, sc
     r0 = _route_operands(routes[0], dt)
     r1 = _route_operands(routes[1] if nw > 1 else None, dt)
     call = jax.ffi.ffi_call(_ext.EXPERT_MATMUL_TARGET, out_types, vmap_method="sequential")
-    out, _scratch, _xa = call(
+    out, _scratch, xa = call(
         xs, offsets, ws[0], w1, stids, ra, *r0, *r1,
         num_weights=np.int64(nw), has_lora0=np.int64(routes[0] is not None),
         has_lora1=np.int64(nw > 1 and routes[1] is not None),
         has_row_adapter=np.int64(row_adapter is not None), sm_count=np.int64(sm),
         pdl=np.int64(pdl), schedule=np.int64(_SCHEDULES[schedule]), lora_in_gemm=np.int64(fuse))
-    return out
+    return out, xa

@@ -49,6 +49,11 @@ it runs only where ``x``, the cotangents and the gathered ``A`` are finite
 (the same ``cond``, then a ``switch``, reads them); elsewhere the cells'
 own tiles keep a non-finite value in its cell.
 
+Where the forward already made ``xa`` (``expert_matmul``'s kernel folding
+inside its K loop leaves it, spread by adapter), the caller passes it
+(``lora_grads(xa=...)``) and the first ``gmm`` is not run: the backward then
+reads no ``A`` block to make it again.
+
 Numerics: every product accumulates in fp32; ``xa`` and ``u`` are rounded to
 the activation dtype, ``d_xa`` once more after the scale (exact for a scale
 that is a power of two), ``dx`` once per term it accumulates, the sums once
@@ -269,7 +274,7 @@ def stacked_default(rows: int, experts: int, loras: int, rank: int) -> bool:
 def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
                offsets: jax.Array, *, impl: str, acc: jax.Array | None = None,
                separate: bool = False, rows_by_cell: bool = False,
-               stacked: bool | None = None
+               stacked: bool | None = None, xa: Sequence[jax.Array] | None = None
                ) -> tuple[jax.Array | list[jax.Array], list[ProjectionGrads]]:
     """The backward of the members' folds over rows grouped by expert.
 
@@ -290,6 +295,11 @@ def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
       rows_by_cell: the caller's rows are in the cell layout (static).
       stacked: the wide terms by expert over the stacked cells (module
         docstring) where the values allow; None: :func:`stacked_default`.
+      xa: per member, the rows' ``round(x A^T)`` as its forward computed
+        them, spread by adapter: ``[M, L * R]``, row ``r``'s in the ``R``
+        columns of its cell's adapter, zeros elsewhere and for a row that
+        folds nothing (what ``expert_matmul``'s kernel leaves when it folds
+        inside its K loop). None: computed here (one ``gmm`` more).
 
     Returns:
       ``(dx_rows [M, K] in x's dtype (a list of them with separate),
@@ -306,7 +316,8 @@ def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
                                                _shared(m.b_slot, m.pool_size) for m in members])
     fast = ~shared if rows_by_cell else ~shared & jnp.all(k2[1:] >= k2[:-1])
     tables = [_tables(m, E) for m in members]
-    kw = dict(impl=impl, acc=None if separate else acc, separate=separate)
+    kw = dict(impl=impl, acc=None if separate else acc, separate=separate,
+              xa=None if xa is None else list(xa))
     branches = [lambda: _cell_grads(x_rows, members, tables, key, k2, offsets, general=True,
                                     **kw),
                 lambda: _cell_grads(x_rows, members, tables, key, k2, offsets, general=False,
@@ -321,13 +332,17 @@ def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
     return jax.lax.switch(jnp.where(fast, jnp.where(finite, 2, 1), 0), branches)
 
 
-def _cell_terms(x, members, tables, key, goff, impl):
+def _cell_terms(x, members, tables, key, goff, impl, kept=None):
     """``(xa, d_xa, d_scale)`` per member over the cells' groups ``goff``:
-    ``xa [M, R]`` and ``d_xa [M, R]`` in the activation dtype, ``d_scale`` f32
-    ``[G]``."""
+    ``xa [M, R]`` (taken from ``kept``, the spread ``xa`` of
+    :func:`lora_grads`, when given) and ``d_xa [M, R]`` in the activation
+    dtype, ``d_scale`` f32 ``[G]``."""
     G = members[0].a_slot.shape[0]
-    xa = gm.gmm([gm.GmmSet(x, m.a_pool, goff, t.a, 0, m.plane)
-                 for m, t in zip(members, tables)], transpose_rhs=True, impl=impl)
+    if kept is None:
+        xa = gm.gmm([gm.GmmSet(x, m.a_pool, goff, t.a, 0, m.plane)
+                     for m, t in zip(members, tables)], transpose_rhs=True, impl=impl)
+    else:
+        xa = [_unspread(v, key, m.loras, G) for v, m in zip(kept, members)]
     u = gm.gmm([gm.GmmSet(m.g, m.b_pool, goff, t.b, m.g_plane, m.plane)
                 for m, t in zip(members, tables)], impl=impl)
     d_xa = []
@@ -354,7 +369,7 @@ def _dx(dx_sets, acc, separate: bool, impl: str):
     return dx
 
 
-def _cell_grads(x, members, tables, key, k2, offsets, *, impl, acc, separate, general):
+def _cell_grads(x, members, tables, key, k2, offsets, *, impl, acc, separate, general, xa):
     """:func:`lora_grads` on rows in the cell layout, whose pool cotangents are
     written at the slots (``general``: the rows sorted into the layout first
     and the per-group sums added by slot)."""
@@ -365,8 +380,9 @@ def _cell_grads(x, members, tables, key, k2, offsets, *, impl, acc, separate, ge
         x, key, k2 = x[order], key[order], k2[order]
         members = [dataclasses.replace(m, g=jnp.take(m.g, order, axis=-2)) for m in members]
         acc = None if acc is None else acc[order]
+        xa = None if xa is None else [v[order] for v in xa]
     goff = _group_offsets(k2, offsets, J)
-    xa, d_xa, d_scale = _cell_terms(x, members, tables, key, goff, impl)
+    xa, d_xa, d_scale = _cell_terms(x, members, tables, key, goff, impl, xa)
     dx = _dx([gm.GmmSet(d, m.a_pool, goff, t.a, 0, m.plane)
               for d, m, t in zip(d_xa, members, tables)], acc, separate, impl)
     sets, pools = [], []
@@ -393,6 +409,15 @@ def _a_cells(m: Member, E: int) -> jax.Array:
     return got.reshape(E, -1, a.shape[-1])
 
 
+def _unspread(v: jax.Array, key: jax.Array, L: int, G: int) -> jax.Array:
+    """``[M, R]``: each row's columns of its cell's adapter in ``v [M, L *
+    R]`` (:func:`_spread`'s inverse), zeros for a row that folds nothing."""
+    M = v.shape[0]
+    col = jnp.where(key < G, key % L, 0)
+    got = jnp.take_along_axis(v.reshape(M, L, -1), col[:, None, None], axis=1)[:, 0]
+    return jnp.where((key < G)[:, None], got, jnp.zeros((), v.dtype))
+
+
 def _spread(v: jax.Array, key: jax.Array, L: int, G: int) -> jax.Array:
     """``[M, L * R]``: row ``r``'s ``v [M, R]`` in the columns of its cell's
     adapter (``key % L``), zeros elsewhere and for a row that folds nothing."""
@@ -411,7 +436,7 @@ def _by_slot(cells: jax.Array, slot: jax.Array, P: int) -> jax.Array:
                      jnp.zeros((), cells.dtype))
 
 
-def _stacked_grads(x, members, tables, a_cells, key, k2, offsets, *, impl, acc, separate):
+def _stacked_grads(x, members, tables, a_cells, key, k2, offsets, *, impl, acc, separate, xa):
     """:func:`lora_grads` on rows in the cell layout with distinct slots and
     finite values, its wide terms by expert: ``dx = spread(d_xa) a_cells``,
     the ``dA`` cells from ``spread(d_xa)^T x`` and the ``dB`` cells from
@@ -419,7 +444,8 @@ def _stacked_grads(x, members, tables, a_cells, key, k2, offsets, *, impl, acc, 
     G, L = members[0].a_slot.shape[0], members[0].loras
     E = G // L
     goff = _group_offsets(k2, offsets, tables[0].a.shape[0])
-    xa, d_xa, d_scale = _cell_terms(x, members, tables, key, goff, impl)
+    xa_rows, d_xa, d_scale = _cell_terms(x, members, tables, key, goff, impl, xa)
+    xa_sp = xa if xa is not None else [_spread(v, key, L, G) for v in xa_rows]
     d_sp = [_spread(d, key, L, G) for d in d_xa]
     dx = _dx([gm.GmmSet(d, a, offsets) for d, a in zip(d_sp, a_cells)], acc, separate, impl)
     # the sums rounded by the kernel where the pools take the operands' dtype
@@ -427,8 +453,7 @@ def _stacked_grads(x, members, tables, a_cells, key, k2, offsets, *, impl, acc, 
     rounded_ok = all(jnp.dtype(m.a_pool.dtype) == jnp.dtype(x.dtype) and
                      jnp.dtype(m.b_pool.dtype) == jnp.dtype(m.g.dtype) for m in members)
     sets = [gm.TgmmSet(d, x, offsets) for d in d_sp]
-    sets += [gm.TgmmSet(m.g, _spread(xa_m, key, L, G), offsets, m.g_plane)
-             for m, xa_m in zip(members, xa)]
+    sets += [gm.TgmmSet(m.g, v, offsets, m.g_plane) for m, v in zip(members, xa_sp)]
     sums = _in_calls(lambda ss: gm.tgmm(ss, impl=impl, rounded=rounded_ok), sets)
     da, db = sums[:len(members)], sums[len(members):]
     grads = []
