@@ -56,6 +56,15 @@ def _offsets(expert, E: int):
     return jnp.asarray(np.searchsorted(np.asarray(expert), np.arange(E + 1)), jnp.int32)
 
 
+def _own_slots(L: int, E: int, rng=None) -> np.ndarray:
+    """int32 ``[L, E]`` tables giving every cell its own pool slot, ``1 + l *
+    E + e``; with ``rng``, about a fifth of the cells folding nothing (0)."""
+    cells = (1 + np.arange(L)[:, None] * E + np.arange(E)[None, :]).astype(np.int32)
+    if rng is not None:
+        cells[rng.random(cells.shape) < 0.2] = 0
+    return cells
+
+
 def _rel(got, want) -> float:
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
@@ -125,7 +134,7 @@ def test_a_row_not_finite_reaches_its_own_cells_sums_only(rng, stacked, where):
     finite sums, whichever form is asked for."""
     L, E = 3, 4
     route = make_route(rng, P=14, R=8, K=16, N=24, L=L, E=E)
-    cells = (1 + np.arange(L)[:, None] * E + np.arange(E)[None, :]).astype(np.int32)
+    cells = _own_slots(L, E)
     route = route.replace(a_table=jnp.asarray(cells), b_table=jnp.asarray(cells))
     M = 90
     adapter, expert, _, ok = _rows(rng, route, M, sort=True)
@@ -165,7 +174,7 @@ def test_rows_need_no_order_within_an_expert(rng, L):
     fold nothing among them) give the cotangents of the same rows sorted by
     cell; rows that fold nothing keep ``acc``."""
     route = make_route(rng, P=9, R=8, K=16, N=24, L=L, E=4)
-    cells = (1 + np.arange(L)[:, None] * 4 + np.arange(4)[None, :]).astype(np.int32)
+    cells = _own_slots(L, 4)
     cells[0, 1] = 0  # expert 1's first cell folds nothing
     route = route.replace(a_table=jnp.asarray(cells), b_table=jnp.asarray(cells[:, ::-1]))
     M = 50
@@ -251,8 +260,7 @@ def test_each_branch_equals_the_dense_formulation(rng, order, tables, stacked):
     L, E, P = 3, 4, 14
     route = make_route(rng, P=P, R=8, K=16, N=24, L=L, E=E)
     if tables == "distinct":
-        cells = (1 + np.arange(L)[:, None] * E + np.arange(E)[None, :]).astype(np.int32)
-        cells[rng.random(cells.shape) < 0.2] = 0
+        cells = _own_slots(L, E, rng)
         route = route.replace(a_table=jnp.asarray(cells), b_table=jnp.asarray(cells[::-1]))
     M = 90
     adapter, expert, cell, ok = _rows(rng, route, M, sort=True)
@@ -300,8 +308,7 @@ def test_the_forwards_xa_is_read_in_place_of_its_gmm(rng, order, stacked):
     and ``d_scale`` and leaves ``dx`` and ``dA`` as they are."""
     L, E, P = 3, 4, 14
     route = make_route(rng, P=P, R=8, K=16, N=24, L=L, E=E)
-    cells = (1 + np.arange(L)[:, None] * E + np.arange(E)[None, :]).astype(np.int32)
-    cells[rng.random(cells.shape) < 0.2] = 0
+    cells = _own_slots(L, E, rng)
     route = route.replace(a_table=jnp.asarray(cells), b_table=jnp.asarray(cells[::-1]))
     M = 90
     adapter, expert, _, ok = _rows(rng, route, M, sort=True)
@@ -363,8 +370,7 @@ def test_kernels_match_the_jnp_form(rng, L, order, stacked):
     dt = jnp.bfloat16
     route = make_route(rng, P=33, R=16, K=256, N=128, L=L, E=8, dtype=dt)
     # every cell its own slot (the layout whose pool gradients are deterministic)
-    cells = (1 + np.arange(L)[:, None] * 8 + np.arange(8)[None, :]).astype(np.int32)
-    cells[rng.random(cells.shape) < 0.2] = 0
+    cells = _own_slots(L, 8, rng)
     route = route.replace(a_table=jnp.asarray(cells), b_table=jnp.asarray(cells))
     M = 1500
     adapter, expert, _, ok = _rows(rng, route, M, sort=True)
