@@ -124,6 +124,12 @@ struct GatherArgs {
   void* out2;
   int64_t dense_tokens, dense_experts;
   bool pdl;  // kernels after a plan kernel may use programmatic dependent launch
+  // keep_xa: [n_slots, R], each folding row's round(x A^T) written here (row
+  // `row` at row * R); null otherwise. xa is then the scratch after it.
+  void* kept_xa;
+
+  // Where the simple kernels put a row's xa: the kept rows, else the scratch.
+  __host__ __device__ __forceinline__ void* xa_rows() const { return kept_xa ? kept_xa : xa; }
 
   // The first element of the output row of flat row `row` folding with
   // (virtual) expert `expert` (element type T). The flat layout returns

@@ -149,7 +149,19 @@ auto bind_gather(B binding) {
       .template Attr<int64_t>("dense_tokens")
       .template Attr<int64_t>("dense_experts")
       .template Attr<int64_t>("pdl")
-      .template Attr<int64_t>("variant");
+      .template Attr<int64_t>("variant")
+      .template Attr<int64_t>("keep_xa");
+}
+
+// A gather call's xa result against keep_xa (moelora_handlers.h): n_slots
+// rows of R values, twice that with keep_xa = 1.
+inline ffi::Error check_gather_xa(ffi::Result<ffi::AnyBuffer> xa, ffi::DataType dt,
+                                  int64_t n_slots, int64_t R, int64_t keep_xa) {
+  if (keep_xa != 0 && keep_xa != 1)
+    return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: keep_xa must be 0 or 1");
+  if (xa->element_type() != dt || int64_t(xa->element_count()) != (1 + keep_xa) * n_slots * R)
+    return ffi::Error::InvalidArgument("moe_lora_gather_bgmv: the xa result's size");
+  return ffi::Error::Success();
 }
 
 // The operands, results and attributes of moe_lora_grouped_down.

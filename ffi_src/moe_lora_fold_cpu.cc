@@ -206,7 +206,7 @@ ffi::Error GatherBgmvCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuff
                              ffi::Result<ffi::AnyBuffer> out2, ffi::Result<ffi::AnyBuffer> xa,
                              int64_t top_k, int64_t x_gather, int64_t has_row_adapter,
                              int64_t dense_tokens, int64_t dense_experts, int64_t pdl,
-                             int64_t variant) {
+                             int64_t variant, int64_t keep_xa) {
   (void)variant;  // one CPU implementation serves every variant
   (void)pdl;      // a launch option of the CUDA kernels
   Dims d;
@@ -216,6 +216,10 @@ ffi::Error GatherBgmvCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuff
                             b_table, scale_table, top_k, x_gather, has_row_adapter, dense_tokens,
                             dense_experts, &d, &route, &n_slots);
       e.failure())
+    return e;
+  // every folding row's xa is written at its row of xa: with keep_xa, the
+  // kept rows are the first n_slots
+  if (auto e = check_gather_xa(xa, base.element_type(), n_slots, d.R, keep_xa); e.failure())
     return e;
   return dispatch<GatherFn>(base.element_type(), x, base, base2, n_slots, indices.typed_data(),
                             row_adapter.typed_data(), has_row_adapter != 0, a_pool, b_pool, route,

@@ -4,6 +4,8 @@
 // each block computing 4 outputs of one flat row, 64 threads per output.
 //   shrink: grid (ceil(R / 4), n_slots, 1), xa[row, j] = round(x[x_row] . A[j])
 //   expand: grid (ceil(N / 4), n_slots, 1), out[row, n] = round(out + s * round(xa . B[n]))
+// xa is the kept rows (GatherArgs::kept_xa) when the call keeps them, else
+// the scratch.
 // Rows are read unsorted; the expert comes from indices[row], the adapter
 // from row_adapter[row / top_k]; skip rules from fold_common.h.
 #include <algorithm>
@@ -49,7 +51,7 @@ __global__ void __launch_bounds__(kGbgmvThreads)
       acc += Tr::to_f(x[k]) * Tr::to_f(w[k]);
   }
   const float s = block_output_group_sum(acc);
-  if (j < a.R && lane == 0) static_cast<T*>(a.xa)[row * a.R + j] = Tr::from_f(s);
+  if (j < a.R && lane == 0) static_cast<T*>(a.xa_rows())[row * a.R + j] = Tr::from_f(s);
 }
 
 template <DType D>
@@ -64,7 +66,7 @@ __global__ void __launch_bounds__(kGbgmvThreads)
   const int64_t n = int64_t(blockIdx.x) * kGbgmvNPerBlock + threadIdx.x / kGbgmvThreadsPerOutput;
   float acc = 0.f;
   if (n < a.N) {
-    const T* xa = static_cast<const T*>(a.xa) + row * a.R;
+    const T* xa = static_cast<const T*>(a.xa_rows()) + row * a.R;
     const T* w = static_cast<const T*>(a.b_pool) + (int64_t(g.pair.b) * a.N + n) * a.R;
     for (int64_t j = lane; j < a.R; j += kGbgmvThreadsPerOutput)
       acc += Tr::to_f(xa[j]) * Tr::to_f(w[j]);
@@ -98,7 +100,8 @@ ffi::Error GatherBgmvCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out2,
                               ffi::Result<ffi::AnyBuffer> xa, int64_t top_k, int64_t x_gather,
                               int64_t has_row_adapter, int64_t dense_tokens,
-                              int64_t dense_experts, int64_t pdl, int64_t variant) {
+                              int64_t dense_experts, int64_t pdl, int64_t variant,
+                              int64_t keep_xa) {
   Dims d;
   RouteView route;
   int64_t n_slots;
@@ -107,14 +110,19 @@ ffi::Error GatherBgmvCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
                             dense_experts, &d, &route, &n_slots);
       e.failure())
     return e;
+  if (auto e = check_gather_xa(xa, base.element_type(), n_slots, d.R, keep_xa); e.failure())
+    return e;
   DType dtype;
   if (auto e = cuda_dtype(base.element_type(), &dtype); e.failure()) return e;
   // the second buffer is used (and copied) only when a member's rows live there
   const bool two = gather_uses_out2(route.n_experts, dense_tokens, dense_experts);
+  // keep_xa: the kept rows first, the kernels' scratch after them
+  char* xa_data = static_cast<char*>(xa->untyped_data());
+  const size_t kept_bytes = keep_xa ? xa->size_bytes() / 2 : 0;
   GatherArgs args{dtype,
                   x.untyped_data(),
                   out->untyped_data(),
-                  xa->untyped_data(),
+                  xa_data + kept_bytes,
                   indices.typed_data(),
                   row_adapter.typed_data(),
                   has_row_adapter != 0,
@@ -130,7 +138,8 @@ ffi::Error GatherBgmvCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
                   two ? out2->untyped_data() : nullptr,
                   dense_tokens,
                   dense_experts,
-                  pdl != 0};
+                  pdl != 0,
+                  keep_xa ? xa_data : nullptr};
   return launch_variant("moe_lora_gather_bgmv", variant, args, launch_gather_simple,
                         launch_gather_fast, base.untyped_data(), base.size_bytes(), true, stream,
                         base2.untyped_data(), args.out2, two ? base2.size_bytes() : 0);

@@ -8,9 +8,13 @@
 //             a_pool [P, R, K], b_pool [P, N, R], a_table int32 [L, E_t],
 //             b_table int32 [L, E_t], scale_table f32 [L, E_t]
 //   results:  out [M, N] (aliases base_out), out2 [M2, N] (aliases base2),
-//             xa [n_slots, R] (scratch)
+//             xa [n_slots, R] (scratch), or [2 * n_slots, R] when keep_xa = 1
 //   attrs:    top_k, x_gather, has_row_adapter, dense_tokens, dense_experts,
-//             pdl, variant (all int64)
+//             pdl, variant, keep_xa (all int64)
+//   keep_xa = 1: xa's first n_slots rows receive each folding row's
+//   round(x A^T) (row `row` of xa for flat row `row`; the rows that fold
+//   nothing are left as they are), the rest is the kernels' scratch. The
+//   training forward of expert_matmul keeps them for its backward.
 //   X = n_slots when x_gather = 0 (row `row` read), n_slots / top_k when
 //   x_gather = 1 (row `row / top_k` read), M when x_gather = 2 (the dense
 //   expert layout below, a route of one member: x row e * T + row / top_k

@@ -710,14 +710,14 @@ def _train_case(rng, *, sort_by_adapter: bool, E: int = 8, K: int = 64, N: int =
     return x, ws, gs, stids, jnp.asarray(ra), routes
 
 
-def _mlp_grads(impl, x, ws, gs, stids, ra, routes, cot, lora_in_gemm=None):
+def _mlp_grads(impl, x, ws, gs, stids, ra, routes, cot, lora_in_gemm=None, gather_max_rows=0):
     """Gradients of ``sum(glu(gate, up) * cot)`` w.r.t. ``x``, the weights and
     each route's ``(a_pool, b_pool, scale_table)``."""
     def loss(x, ws, pools):
         lora = tuple(r.replace(a_pool=a, b_pool=b, scale_table=s)
                      for r, (a, b, s) in zip(routes, pools))
         h = ml.expert_matmul(x, ws, gs, lora=lora, row_adapter=ra, sorted_token_ids=stids,
-                             x_gather=1, glu=True, impl=impl, gather_max_rows=0,
+                             x_gather=1, glu=True, impl=impl, gather_max_rows=gather_max_rows,
                              lora_in_gemm=lora_in_gemm)
         return jnp.sum(h.astype(jnp.float32) * cot)
     pools = tuple((r.a_pool, r.b_pool, r.scale_table) for r in routes)
@@ -759,17 +759,19 @@ def test_kernel_backward_formulation_equals_the_ragged_backward(rng, L, table_ex
 
 
 @GPU
-@pytest.mark.parametrize("in_gemm", [False, True], ids=["fold_after", "in_gemm"])
+@pytest.mark.parametrize("fold", ["fold_after", "in_gemm", "gather"])
 @pytest.mark.parametrize("sort_by_adapter", [True, False], ids=["by_adapter", "by_expert"])
-def test_kernel_backward_matches_the_ragged_backward(rng, sort_by_adapter, in_gemm):
-    """bf16 gate/up with the GLU and 4 adapters: the backward on the grouped
-    GEMM kernels (dx with the weights read transposed, dw, the folds' pools
-    and scales) equals the fp32 ``ragged_dot`` backward within bf16 error,
-    with the LoRA folded after the GEMM or inside it (the backward then
-    reading the ``xa`` the forward kept)."""
+def test_kernel_backward_matches_the_ragged_backward(rng, sort_by_adapter, fold):
+    """bf16 gate/up with the GLU and 4 adapters (ranks 8 and 16 in one pool):
+    the backward on the grouped GEMM kernels (dx with the weights read
+    transposed, dw, the folds' pools and scales) equals the fp32
+    ``ragged_dot`` backward within bf16 error, with the LoRA folded by the
+    grouped fold after the GEMM, inside the GEMM or by the gather fold (the
+    last two keep their rows' ``xa``, which the backward then reads)."""
     x, ws, gs, stids, ra, routes = _train_case(rng, sort_by_adapter=sort_by_adapter)
     cot = jnp.asarray(rng.normal(size=(stids.shape[0], ws[0].shape[2])), jnp.float32)
-    got = _mlp_grads("fast", x, ws, gs, stids, ra, routes, cot, lora_in_gemm=in_gemm)
+    got = _mlp_grads("fast", x, ws, gs, stids, ra, routes, cot, lora_in_gemm=fold == "in_gemm",
+                     gather_max_rows=stids.shape[0] if fold == "gather" else 0)
     want = _mlp_grads("jnp", x, ws, gs, stids, ra, routes, cot)
     pairs = [("x", got[0], want[0])] + [(f"w{i}", got[1][i], want[1][i]) for i in range(2)]
     for i in range(2):

@@ -564,6 +564,56 @@ def test_fast_cells_kernels_with_long_cells_and_many_rows(rng, impl, kind):
     _check(case, case.run(impl), impl)
 
 
+# a shape for each kernel of launch_gather_fast (the comment above): rows,
+# staged rows, cells, cells after a plan kernel (past 4,096 rows)
+_KEEP_XA_SHAPES = {
+    "rows": dict(num_tokens=8, top_k=2, n_experts=64, num_loras=4),
+    "staged": dict(num_tokens=171, top_k=3, n_experts=64, num_loras=4),
+    "cells": dict(num_tokens=512, top_k=2, n_experts=4, num_loras=2, **_CELLS_KN),
+    "plan": dict(num_tokens=2100, top_k=2, n_experts=4, num_loras=2, **_CELLS_KN),
+}
+
+
+@pytest.mark.parametrize("shape", list(_KEEP_XA_SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("impl", ["cpu", *CUDA_IMPLS])
+def test_gather_fold_keeps_each_folding_rows_xa(rng, impl, dtype, shape):
+    """``keep_xa`` (what ``expert_matmul``'s training forward asks of the
+    gather custom call): the folded output is the same bits as without it,
+    and each folding row's kept ``xa`` is ``round(x A^T)`` (an fp32 sum
+    rounded to the dtype): every kernel of the fast backend (fp32 through
+    the simple kernels), the simple kernels and the CPU handler."""
+    from jax_moelora.ops import ffi_fold
+    from jax_moelora.ops.jnp_fold import resolve_pairs
+
+    shape = dict(_KEEP_XA_SHAPES[shape])
+    case = make_gather_case(rng, dtype=dtype, ranks=(8, 16), max_rank=16,
+                            **{"k_in": 256, "n_out": 200, **shape})
+    top_k, x_gather = case.kw["top_k"], case.kw["x_gather"]
+    with on_platform(impl):
+        args = to_device(case.operands())
+
+        def call(keep):
+            return jax.jit(lambda *a: ffi_fold.gather_bgmv_ffi(
+                *a, top_k=top_k, x_gather=x_gather, impl=impl, keep_xa=keep))(*args)
+
+        plain, (out, xa) = call(False), call(True)
+        np.testing.assert_array_equal(bits(np.asarray(out)), bits(np.asarray(plain)))
+        x, _, ids, route, ra = case.operands()
+        rows = np.arange(ids.shape[0])
+        adapter = np.zeros_like(rows) if ra is None else ra[rows // top_k]
+        a, _, _, ok = (np.asarray(v) for v in resolve_pairs(
+            jax.tree.map(jnp.asarray, route), jnp.asarray(adapter), jnp.asarray(ids)))
+    np.testing.assert_array_equal(ok, case.fold_rows)
+    xrow = rows if x_gather == 0 else rows // top_k
+    want = np.einsum("rk,rjk->rj", x[xrow[ok]].astype(np.float64),
+                     np.asarray(route.a_pool, np.float64)[a[ok]])
+    got = np.asarray(xa, np.float64)[ok]
+    assert np.abs(want).max() > 0
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel <= DELTA_RTOL[jnp.dtype(dtype)], rel
+
+
 @pytest.mark.parametrize("L", [1, 3])
 @pytest.mark.parametrize("with_adapters", [False, True])
 def test_sort_rows_by_expert_and_adapter(rng, with_adapters, L):

@@ -284,10 +284,11 @@ def test_each_branch_equals_the_dense_formulation(rng, order, tables, stacked):
         assert _rel(a, b) <= 1e-5, f"{name}: {_rel(a, b):.3g}"
 
 
-def _spread_xa(x, m: grouped_vjp.Member, key, L: int):
+def _spread_xa(x, m: grouped_vjp.Member, key, L: int, by_row: bool = False):
     """The rows' ``x A^T`` spread by adapter, ``[M, L * R]`` (the layout
     ``expert_matmul``'s kernel leaves): zeros outside the row's adapter and
-    for a row whose cell folds nothing."""
+    for a row whose cell folds nothing; ``by_row``, each row's own ``[M, R]``
+    (the gather fold's)."""
     x, key = np.asarray(x, np.float64), np.asarray(key)
     a_pool = np.asarray(m.a_pool, np.float64)
     slot = np.asarray(m.a_slot)
@@ -296,16 +297,19 @@ def _spread_xa(x, m: grouped_vjp.Member, key, L: int):
     for r in np.flatnonzero(key < slot.shape[0]):
         if slot[key[r]] >= 0:
             out[r, key[r] % L] = a_pool[slot[key[r]]] @ x[r]
+    if by_row:
+        return jnp.asarray(out.sum(axis=1), jnp.float32)
     return jnp.asarray(out.reshape(M, L * R), jnp.float32)
 
 
+@pytest.mark.parametrize("layout", ["spread", "by_row"])
 @pytest.mark.parametrize("stacked", [False, True], ids=["cells", "stacked"])
 @pytest.mark.parametrize("order", ["by_cell", "by_expert"])
-def test_the_forwards_xa_is_read_in_place_of_its_gmm(rng, order, stacked):
+def test_the_forwards_xa_is_read_in_place_of_its_gmm(rng, order, stacked, layout):
     """``xa=`` (each row's ``x A^T`` as the forward made it, spread by
-    adapter) gives the cotangents computed without it, in either form and
-    row order; and it is what the ``xa`` terms read: twice it doubles ``dB``
-    and ``d_scale`` and leaves ``dx`` and ``dA`` as they are."""
+    adapter or by row) gives the cotangents computed without it, in either
+    form and row order; and it is what the ``xa`` terms read: twice it
+    doubles ``dB`` and ``d_scale`` and leaves ``dx`` and ``dA`` as they are."""
     L, E, P = 3, 4, 14
     route = make_route(rng, P=P, R=8, K=16, N=24, L=L, E=E)
     cells = _own_slots(L, E, rng)
@@ -321,7 +325,7 @@ def test_the_forwards_xa_is_read_in_place_of_its_gmm(rng, order, stacked):
     m, off = grouped_vjp.member(route, g), _offsets(expert, E)
     run = jax.jit(lambda x, m, k, o, xa: grouped_vjp.lora_grads(
         x, [m], k, o, impl="jnp", stacked=stacked, xa=xa))
-    xa = _spread_xa(x, m, key, L)
+    xa = _spread_xa(x, m, key, L, by_row=layout == "by_row")
     want = run(x, m, key, off, None)
     got = run(x, m, key, off, [xa])
     twice = run(x, m, key, off, [2 * xa])

@@ -341,14 +341,16 @@ def test_a_pair_whose_packed_b_is_not_finite_keeps_it_to_itself(rng, dtype, pois
 
 
 @GPU
+@pytest.mark.parametrize("forward", ["in_gemm", "gather"])
 @pytest.mark.parametrize("poison", [None, np.inf], ids=["finite", "inf"])
-def test_the_backward_reads_the_kept_xa(rng, poison):
-    """The training forward keeps the kernel's ``xa`` for the backward,
-    marked pairs' rows included (their ``xa`` is written after the GEMM):
-    the pools' and scales' cotangents equal those of the fold after the GEMM
-    (whose backward makes ``xa`` again) within bf16 error, with non-finite
-    values in the same places. With an inf in a pair's ``B``, that slot's
-    ``dB = scale * g^T xa`` stays finite and nonzero."""
+def test_the_backward_reads_the_kept_xa(rng, poison, forward):
+    """The training forward keeps its kernels' ``xa`` for the backward (the
+    kernel folding inside the GEMM, marked pairs' rows included: their
+    ``xa`` is written after the GEMM; or the gather fold): the pools' and
+    scales' cotangents equal those of the grouped fold after the GEMM (whose
+    backward makes ``xa`` again) within bf16 error, with non-finite values in
+    the same places. With an inf in a pair's ``B``, that slot's ``dB = scale
+    * g^T xa`` stays finite and nonzero."""
     case = make_case(rng, num_loras=3, E=5, K=128, N=96, M=400, ranks=(16,), max_rank=16,
                      poison=False)
     route = case.routes[0]
@@ -364,15 +366,16 @@ def test_the_backward_reads_the_kept_xa(rng, poison):
                                               case.row_adapter))
     cot = jnp.asarray(rng.normal(size=(case.M, case.ws[0].shape[2])), jnp.float32)
 
-    def grads(in_gemm):
+    def grads(fold):
         def loss(p):
             r = route.replace(a_pool=p[0], b_pool=p[1], scale_table=p[2])
             out = ml.expert_matmul(x, w, gsz, lora=r, row_adapter=ra, impl="fast",
-                                   gather_max_rows=0, lora_in_gemm=in_gemm)
+                                   gather_max_rows=case.M if fold == "gather" else 0,
+                                   lora_in_gemm=fold == "in_gemm")
             return jnp.sum(out.astype(jnp.float32) * cot)
         return jax.jit(jax.grad(loss))((route.a_pool, route.b_pool, route.scale_table))
 
-    got, want = grads(True), grads(False)
+    got, want = grads(forward), grads("after")
     for name, g, w_ in zip(("d_a_pool", "d_b_pool", "d_scale"), got, want):
         g, w_ = np.asarray(g, np.float64), np.asarray(w_, np.float64)
         np.testing.assert_array_equal(np.isfinite(g), np.isfinite(w_), err_msg=name)

@@ -40,7 +40,8 @@
 //      w, w + 8, ... of A and of the batch's x rows (mma m16n8k16, ranks in M,
 //      rows in N), loading up to 4 chunks of 16-byte pieces straight from
 //      global memory before using any; the 8 warp partials are summed in warp
-//      order and rounded into xa (shared memory).
+//      order and rounded into xa (shared memory; with keep_xa also into the
+//      kept rows, by the first column chunk's CTA).
 //   3. expand on the tensor cores: delta = xa . B^T with rows in M and 8
 //      output columns per n8 tile; four tiles cover 32 adjacent columns so that
 //      a lane's accumulators are 8 adjacent columns of one row: base_out moves
@@ -341,6 +342,9 @@ __device__ __forceinline__ void fold_batch(const DecodeParams& p, char* smem, co
         s_part[(w * kBatchRows + q) * r16 + j] = acc[rt][nt][i];
       }
   __syncthreads();
+  // keep_xa: the batch's rows' xa also to the kept rows, by the CTAs of the
+  // first column chunk
+  uint16_t* kept = blockIdx.y == 0 ? static_cast<uint16_t*>(a.kept_xa) : nullptr;
   for (int e = tid; e < kBatchRows * r16; e += kDecThreads) {
     const int q = e / r16, j = e - q * r16;
     float v = 0.f;
@@ -348,6 +352,7 @@ __device__ __forceinline__ void fold_batch(const DecodeParams& p, char* smem, co
       v = s_part[q * r16 + j];
 #pragma unroll
       for (int ww = 1; ww < kDecWarps; ++ww) v += s_part[(ww * kBatchRows + q) * r16 + j];
+      if (kept) kept[int64_t(rows[q]) * R + j] = f2h<D>(v);
     }
     s_xa[q * lay.xs + j] = f2h<D>(v);
   }

@@ -24,7 +24,8 @@
 //     ranks of a pass (16) are loaded together with the x piece (16-byte
 //     loads), summed in k order per thread, then a fixed butterfly per warp
 //     (warp_sum_split: the ranks end on different lanes) and the 8 warp sums
-//     in warp order; xa is rounded into shared memory;
+//     in warp order; xa is rounded into shared memory (with keep_xa also
+//     into the kept rows);
 //   - expand: delta = round(xa . B[n]) in rank order, out = round(out +
 //     scale * delta).
 
@@ -57,6 +58,11 @@ __device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
   }
 }
 
+// Flat row `row`'s kept xa (keep_xa), or null when the call keeps none.
+__device__ __forceinline__ uint16_t* kept_row(const GatherArgs& a, int64_t row) {
+  return a.kept_xa ? static_cast<uint16_t*>(a.kept_xa) + row * a.R : nullptr;
+}
+
 // 16 bytes of a row's operands, from global memory (read-only path) or
 // from shared memory.
 template <bool kSmem>
@@ -70,12 +76,13 @@ __device__ __forceinline__ uint4 ld16(const uint16_t* p) {
 // ...; the ranks of a pass are loaded together with the x piece and summed
 // in k order per thread, then a fixed butterfly per warp (warp_sum_split)
 // and the warp sums in warp order. Both rows kernels fold through it, so a
-// row gets the same bits from either. Called by all threads; ends with a
-// barrier.
+// row gets the same bits from either. `kept`: the row's kept xa (keep_xa,
+// written once: by the CTA of its first column chunk), or null. Called by
+// all threads; ends with a barrier.
 template <DType D, int RB, bool kSmem>
 __device__ __forceinline__ void shrink_row(const uint16_t* A, const uint16_t* x, int64_t K,
                                            float (&s_part)[kRowWarps][8 * RB],
-                                           float (&s_xa)[8 * RB]) {
+                                           float (&s_xa)[8 * RB], uint16_t* kept) {
   constexpr int R = 8 * RB;
   constexpr int RP = R % 16 == 0 ? 16 : 8;  // ranks per shrink pass
   const int tid = threadIdx.x, w = tid >> 5;
@@ -106,6 +113,7 @@ __device__ __forceinline__ void shrink_row(const uint16_t* A, const uint16_t* x,
 #pragma unroll
     for (int ww = 1; ww < kRowWarps; ++ww) v += s_part[ww][tid];
     s_xa[tid] = h2f<D>(f2h<D>(v));
+    if (kept) kept[tid] = f2h<D>(v);
   }
   __syncthreads();
 }
@@ -154,8 +162,8 @@ struct ExpandOps {
 // One row of a CTA (x: its x row), its pair resolved by gather_rows_kernel below.
 template <DType D, int RB>
 __device__ __forceinline__ void fold_row(const GatherArgs& a, const uint16_t* x, const Pair& pair,
-                                         uint16_t* orow, int64_t chunk_w, bool nvec,
-                                         float (&s_part)[kRowWarps][8 * RB],
+                                         uint16_t* orow, uint16_t* kept, int64_t chunk_w,
+                                         bool nvec, float (&s_part)[kRowWarps][8 * RB],
                                          float (&s_xa)[8 * RB]) {
   constexpr int R = 8 * RB;
   const int tid = threadIdx.x;
@@ -167,7 +175,7 @@ __device__ __forceinline__ void fold_row(const GatherArgs& a, const uint16_t* x,
   if (col < c1) ops.load(B, orow, col, c1, nvec);
 
   const uint16_t* A = static_cast<const uint16_t*>(a.a_pool) + int64_t(pair.a) * R * K;
-  shrink_row<D, RB, false>(A, x, K, s_part, s_xa);
+  shrink_row<D, RB, false>(A, x, K, s_part, s_xa, blockIdx.y == 0 ? kept : nullptr);
   float xa[R];
 #pragma unroll
   for (int j = 0; j < R; ++j) xa[j] = s_xa[j];
@@ -202,6 +210,7 @@ __global__ void __launch_bounds__(kRowThreads, MINB) gather_rows_kernel(const Ga
   __shared__ int s_ok[RPC];
   __shared__ uint16_t* s_orow[RPC];
   __shared__ const uint16_t* s_x[RPC];
+  __shared__ uint16_t* s_kept[RPC];
   const int64_t row0 = int64_t(blockIdx.x) * RPC;
   if (threadIdx.x < RPC) {
     const int64_t row = row0 + threadIdx.x;
@@ -213,11 +222,13 @@ __global__ void __launch_bounds__(kRowThreads, MINB) gather_rows_kernel(const Ga
     s_ok[threadIdx.x] = ok;
     s_orow[threadIdx.x] = ok ? a.out_row<uint16_t>(row, e) : nullptr;
     s_x[threadIdx.x] = ok ? a.x_row<uint16_t>(row, e) : nullptr;
+    s_kept[threadIdx.x] = ok ? kept_row(a, row) : nullptr;
   }
   __syncthreads();
 #pragma unroll 1
   for (int j = 0; j < RPC; ++j)
-    if (s_ok[j]) fold_row<D, RB>(a, s_x[j], s_pair[j], s_orow[j], chunk_w, nvec, s_part, s_xa);
+    if (s_ok[j])
+      fold_row<D, RB>(a, s_x[j], s_pair[j], s_orow[j], s_kept[j], chunk_w, nvec, s_part, s_xa);
 }
 
 // The staged rows kernel: a CTA per SM owns a run of consecutive rows and
@@ -251,6 +262,7 @@ __global__ void __launch_bounds__(kRowThreads, 1)
   __shared__ Pair s_pair[kStagedMaxRows];
   __shared__ const uint16_t* s_x[kStagedMaxRows];
   __shared__ uint16_t* s_orow[kStagedMaxRows];
+  __shared__ uint16_t* s_kept[kStagedMaxRows];
   __shared__ int s_count[2];
   __shared__ __align__(8) uint64_t s_full[kStagedStages];
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
@@ -281,6 +293,7 @@ __global__ void __launch_bounds__(kRowThreads, 1)
     s_pair[at] = pair;
     s_x[at] = a.x_row<uint16_t>(row0 + tid, e);
     s_orow[at] = a.out_row<uint16_t>(row0 + tid, e);
+    s_kept[at] = kept_row(a, row0 + tid);
   }
   __syncthreads();
   if (n == 0) return;  // uniform
@@ -318,7 +331,7 @@ __global__ void __launch_bounds__(kRowThreads, 1)
     const uint16_t* sx = reinterpret_cast<const uint16_t*>(st + lay.a_bytes);
     const uint16_t* sB = reinterpret_cast<const uint16_t*>(st + lay.a_bytes + lay.x_bytes);
     mbar_wait(&s_full[i % kStagedStages], unsigned(i / kStagedStages) & 1u);
-    shrink_row<D, RB, true>(sA, sx, K, s_part, s_xa);
+    shrink_row<D, RB, true>(sA, sx, K, s_part, s_xa, s_kept[i]);
     float xa[R];
 #pragma unroll
     for (int j = 0; j < R; ++j) xa[j] = s_xa[j];

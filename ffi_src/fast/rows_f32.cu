@@ -65,11 +65,13 @@ __device__ __forceinline__ void load_a_pass(float4 (&av)[P], const float* __rest
 
 // Fold one row: x [K], A [R, K], B [N, R] of its pair, output row orow,
 // columns [c0, c1). RB > 0: R == 8 * RB and 16-byte loads (K % 4 == 0,
-// aligned arrays); RB == 0: any R, element loads.
+// aligned arrays); RB == 0: any R, element loads. kept: where the row's xa
+// is kept (a gather call's keep_xa, by the CTA of its first column chunk),
+// or null.
 template <int RB>
 __device__ void f32_fold_row(const float* __restrict__ x, const float* __restrict__ A,
                              const float* __restrict__ B, float scale, int64_t K, int R_, int64_t N,
-                             float* orow, int64_t c0, int64_t c1) {
+                             float* orow, int64_t c0, int64_t c1, float* kept = nullptr) {
   constexpr bool kVec = RB > 0;
   // ranks a pass: 16 where R is a multiple of 16 (every A load of the row in
   // flight at once; a rank's sum does not depend on the pass it is in)
@@ -114,6 +116,7 @@ __device__ void f32_fold_row(const float* __restrict__ x, const float* __restric
 #pragma unroll
       for (int ww = 1; ww < kF32Warps; ++ww) v += s_part[ww][tid];
       s_xa[p0 + tid] = v;
+      if (kept) kept[p0 + tid] = v;
     }
     __syncthreads();
   }
@@ -142,11 +145,13 @@ __device__ void f32_fold_row(const float* __restrict__ x, const float* __restric
 // a row gets the same bits from either kernel; each A and B load serves the n
 // rows. Every thread of the CTA calls it with the same n. (f32_fold_row is not
 // its G = 1 case: compiled that way the one-CTA kernel got 62 registers
-// instead of 96 and ran up to 1.9 µs slower at decode sizes.)
+// instead of 96 and ran up to 1.9 µs slower at decode sizes.) kept: each
+// row's kept xa, as for f32_fold_row.
 template <int RB, int G>
 __device__ void f32_fold_rows(const float* const* x, const float* __restrict__ A,
                               const float* __restrict__ B, float scale, int64_t K,
-                              float* const* orow, int nrows, int64_t c0, int64_t c1) {
+                              float* const* orow, float* const* kept, int nrows, int64_t c0,
+                              int64_t c1) {
   static_assert(RB > 0, "16-byte loads only");
   constexpr int R = 8 * RB;
   __shared__ float s_part[kF32Warps][G][kRankPass];
@@ -185,6 +190,7 @@ __device__ void f32_fold_rows(const float* const* x, const float* __restrict__ A
 #pragma unroll
       for (int ww = 1; ww < kF32Warps; ++ww) v += s_part[ww][g][j];
       s_xa[g][p0 + j] = v;
+      if (g < nrows && kept[g]) kept[g][p0 + j] = v;
     }
     __syncthreads();
   }
@@ -210,6 +216,11 @@ __device__ void f32_fold_rows(const float* const* x, const float* __restrict__ A
   }
 }
 
+// Flat row `row`'s kept xa (keep_xa), or null when the call keeps none.
+__device__ __forceinline__ float* kept_f32(const GatherArgs& a, int64_t row) {
+  return a.kept_xa ? static_cast<float*>(a.kept_xa) + row * a.R : nullptr;
+}
+
 template <int RB>
 __global__ void __launch_bounds__(kF32Threads) gather_f32_kernel(const GatherArgs a) {
   const int64_t row = blockIdx.x;
@@ -221,7 +232,8 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_kernel(const GatherArg
   f32_fold_row<RB>(a.x_row<float>(row, e),
                    static_cast<const float*>(a.a_pool) + int64_t(pair.a) * a.R * a.K,
                    static_cast<const float*>(a.b_pool) + int64_t(pair.b) * a.N * a.R,
-                   pair.scale, a.K, int(a.R), a.N, a.out_row<float>(row, e), c0, c1);
+                   pair.scale, a.K, int(a.R), a.N, a.out_row<float>(row, e), c0, c1,
+                   blockIdx.y == 0 ? kept_f32(a, row) : nullptr);
 }
 
 // Long batches (the router's fold at prefill): one CTA per TR consecutive
@@ -236,6 +248,7 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_tiled_kernel(const Gat
   __shared__ int s_ok[TR];
   __shared__ float* s_orow[TR];
   __shared__ const float* s_x[TR];
+  __shared__ float* s_kept[TR];
   const int tid = threadIdx.x;
   const int64_t r0 = int64_t(blockIdx.x) * TR;
   if (tid < TR) {
@@ -248,6 +261,7 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_tiled_kernel(const Gat
     s_pair[tid] = pair;
     s_orow[tid] = ok ? a.out_row<float>(row, e) : nullptr;
     s_x[tid] = ok ? a.x_row<float>(row, e) : nullptr;
+    s_kept[tid] = ok && blockIdx.y == 0 ? kept_f32(a, row) : nullptr;
   }
   __syncthreads();
   const int64_t c0 = int64_t(blockIdx.y) * kF32Cols, c1 = min(a.N, c0 + kF32Cols);
@@ -258,7 +272,7 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_tiled_kernel(const Gat
     const int i = __ffs(todo) - 1;
     const Pair p = s_pair[i];
     const float* xs[kF32Group];
-    float* os[kF32Group];
+    float *os[kF32Group], *ks[kF32Group];
     int n = 0;
     for (uint32_t m = todo; m && n < kF32Group; m &= m - 1) {
       const int j = __ffs(m) - 1;
@@ -270,6 +284,7 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_tiled_kernel(const Gat
         if (g == n) {
           xs[g] = s_x[j];
           os[g] = s_orow[j];
+          ks[g] = s_kept[j];
         }
       }
       ++n;
@@ -277,7 +292,7 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_tiled_kernel(const Gat
     }
     f32_fold_rows<RB, kF32Group>(xs, static_cast<const float*>(a.a_pool) + int64_t(p.a) * a.R * a.K,
                                  static_cast<const float*>(a.b_pool) + int64_t(p.b) * a.N * a.R,
-                                 p.scale, a.K, os, n, c0, c1);
+                                 p.scale, a.K, os, ks, n, c0, c1);
   }
 }
 

@@ -41,10 +41,11 @@ Where the CUTLASS kernel runs the forward, the backward runs on the grouped
 GEMMs of ``ops/grouped_matmul.py`` (docs/design.md, "Backward"): ``dx = g
 w[e]^T`` with the weights read transposed in place, the folds' terms over
 the rows' (adapter, expert) cells (``ops/grouped_vjp.py``), ``dw[e] =
-xs_e^T g_e`` only when ``w`` is differentiated. Where the kernel folds
-inside its K loop it leaves each folding row's ``xa = round(x A^T)``; the
-forward keeps it for the backward, which then reads no ``A`` block to make
-it again. Every other backend takes
+xs_e^T g_e`` only when ``w`` is differentiated. The forward's kernels
+compute each folding row's ``xa = round(x A^T)``: the one folding inside the
+K loop and the gather fold's leave it, and the training forward keeps it for
+the backward, which then reads no ``A`` block to make it again. Every other
+backend takes
 ``ragged_dot``'s transposes in fp32 and the fold VJP (``ops/autodiff.py``).
 ``jax.vmap`` batches every backend (the custom calls and ``ragged_dot`` one
 element at a time).
@@ -62,8 +63,8 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from jax_moelora import _ext
-from jax_moelora.ops import (autodiff, backend, batching, expert_matmul_ffi, grouped_vjp, jnp_fold,
-                             launch)
+from jax_moelora.ops import (autodiff, backend, batching, expert_matmul_ffi, ffi_fold, grouped_vjp,
+                             jnp_fold, launch)
 from jax_moelora.ops import grouped_matmul as gm
 from jax_moelora.ops.folds import gather_rows_limit
 from jax_moelora.ops.jnp_fold import rounded
@@ -305,14 +306,19 @@ def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra):
 
 
 def _kept_xa_shape(cfg: _Cfg, xs, ws, routes) -> tuple[int, int, int] | None:
-    """The shape of the rows' shrinks the CUDA kernel leaves when it folds
-    inside its K loop (``expert_matmul_ffi``'s ``xa``), which the training
-    forward keeps for the backward; None where no such kernel runs."""
+    """The shape of the rows' shrinks ``xa`` the training forward keeps for the
+    backward, one plane a weight set; None where no kernel leaves them. The
+    gather fold (``cfg.gather``) leaves ``[M, R]``, each row's own ``R``
+    columns: planes ``[M, max R]``, weight set ``i``'s in the first ``R_i``
+    columns. The CUTLASS kernel folding inside its K loop leaves them spread
+    by adapter (``expert_matmul_ffi``'s ``xa``): planes ``[M, max L * R]``.
+    Both only where the backward runs on the kernels (:func:`_bwd`)."""
     live = [r for r in routes if r is not None]
-    if not (live and cfg.lora_in_gemm and not cfg.gather and cfg.impl in ("fast", "auto")
+    if not (live and cfg.impl in ("fast", "auto") and (cfg.gather or cfg.lora_in_gemm)
             and backend.cutlass_takes(xs.dtype, ws[0].shape[1], ws[0].shape[2])):
         return None
-    return (len(ws), xs.shape[0], max(r.max_loras * r.max_rank for r in live))
+    width = max(r.max_rank if cfg.gather else r.max_loras * r.max_rank for r in live)
+    return (len(ws), xs.shape[0], width)
 
 
 def _forward_keeping_xa(cfg: _Cfg, shape, xs, ws, offsets, stids, routes, ra):
@@ -326,13 +332,43 @@ def _forward_keeping_xa(cfg: _Cfg, shape, xs, ws, offsets, stids, routes, ra):
                              xs, ws, offsets, stids, routes, ra)
     if cfg.impl != "fast":
         return _forward(cfg, xs, ws, offsets, stids, routes, ra), jnp.zeros(shape, xs.dtype)
-    return expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes,
-                                               ra if cfg.has_ra else None, cfg.pdl,
+    ra = ra if cfg.has_ra else None
+    if cfg.gather:
+        return _gather_keeping_xa(cfg, shape, xs, ws, offsets, stids, routes, ra)
+    return expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes, ra, cfg.pdl,
                                                cfg.schedule, True)
 
 
-def _spread_xa(xa, i: int, route: MoeExpertRoute) -> jax.Array:
-    """Weight set ``i``'s ``[M, L * R]`` of the kept ``xa [n, M, X]``."""
+def _gather_keeping_xa(cfg: _Cfg, shape, xs, ws, offsets, stids, routes, ra):
+    """:func:`_forward`'s gather branch on the kernels, each fold keeping its
+    rows' ``xa``: ``(out [n, M, N], xa [n, M, max R])``, plane ``i``'s first
+    ``R_i`` columns weight set ``i``'s folding rows' ``xa``, zeros for the
+    rows that fold nothing."""
+    bases = expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, (None,) * len(ws), None,
+                                                cfg.pdl, cfg.schedule)[0]
+    ids, adapter = _gather_rows(xs, offsets, stids, ra)
+    outs, kept = [], []
+    for b, r in zip(bases, routes):
+        xa = jnp.zeros(shape[1:], xs.dtype)
+        if r is not None:
+            args = batching.match_varying((xs, b, ids, r, adapter), floats_only=False)
+            b, xa_r = ffi_fold.gather_bgmv_ffi(*args, top_k=1, x_gather=0, impl="fast",
+                                               pdl=cfg.pdl, keep_xa=True)
+            folds = jnp_fold.resolve_pairs(r, adapter, ids)[3]
+            xa = xa.at[:, :r.max_rank].set(jnp.where(folds[:, None], xa_r, 0))
+        outs.append(b)
+        kept.append(xa)
+    # typed varying like the operands (inside shard_map), as the folds' results are
+    return batching.match_varying(((jnp.stack(outs), jnp.stack(kept)), (xs, ws, routes)),
+                                  floats_only=False)[0]
+
+
+def _kept_of(xa, i: int, route: MoeExpertRoute, by_row: bool) -> jax.Array:
+    """Weight set ``i``'s rows' ``xa`` in the kept ``xa [n, M, X]``
+    (:func:`_kept_xa_shape`): ``[M, R]`` ``by_row`` (the gather fold's),
+    else spread by adapter, ``[M, L * R]``."""
+    if by_row:
+        return xa[i][:, :route.max_rank]
     M, width = xa.shape[1], route.max_loras * route.max_rank
     return xa[i].reshape(-1)[:M * width].reshape(M, width)
 
@@ -343,11 +379,13 @@ def _route_ct(route: MoeExpertRoute, grads: grouped_vjp.ProjectionGrads) -> MoeE
                                     grads.d_scale.reshape(E, L).T)
 
 
-def _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra, impl: str = "fast", xa=None):
+def _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra, impl: str = "fast", xa=None,
+                     by_row: bool = False):
     """dx of the folds (or None without LoRA) and the routes' cotangents, by
     the grouped matmuls of ``ops/grouped_vjp.py`` over (adapter, expert)
     cells: gate and up together where their tables have one shape. ``xa``:
-    the rows' shrinks the forward kept (:func:`_kept_xa_shape`), or None."""
+    the rows' shrinks the forward kept (:func:`_kept_xa_shape`; ``by_row``:
+    the gather fold's), or None."""
     M = xs.shape[0]
     live = [i for i, r in enumerate(routes) if r is not None]
     droutes: list = [None] * len(routes)
@@ -366,7 +404,7 @@ def _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra, impl: str = "fast", xa=
         # the tables' experts: the GEMM's first E_t groups (none past its E)
         lora_offsets = jnp.concatenate([offsets[:Et + 1],
                                         jnp.broadcast_to(offsets[E:], (max(Et - E, 0),))])
-        kept = None if xa is None else [_spread_xa(xa, i, routes[i]) for i in idx]
+        kept = None if xa is None else [_kept_of(xa, i, routes[i], by_row) for i in idx]
         dx, grads = grouped_vjp.lora_grads(xs, members, key, lora_offsets, impl=impl, acc=dx,
                                            xa=kept)
         for i, gr in zip(idx, grads):
@@ -374,12 +412,13 @@ def _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra, impl: str = "fast", xa=
     return dx, droutes
 
 
-def _bwd_kernel(args, gs, need_x: bool, need_w: bool, impl: str = "fast", xa=None):
+def _bwd_kernel(args, gs, need_x: bool, need_w: bool, impl: str = "fast", xa=None,
+                by_row: bool = False):
     """The backward on the grouped-GEMM kernels: ``dx = sum_i g_i w_i^T`` (the
     weights read transposed in place) plus the folds' ``dx``; ``dw_i[e] =
     xs_e^T g_i`` only when the weights are differentiated."""
     xs, ws, offsets, stids, routes, ra = args
-    dx, droutes = _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra, impl, xa)
+    dx, droutes = _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra, impl, xa, by_row)
     if need_x:
         for i, w in enumerate(ws):
             dx = gm.gmm([gm.GmmSet(gs, w, offsets, None, i, 0)], transpose_rhs=True,
@@ -421,7 +460,7 @@ def _bwd(cfg: _Cfg, args, gs, need_x: bool, need_w: bool, xa=None):
     ``xa`` it kept, if any), else through ``ragged_dot``."""
     xs, ws = args[0], args[1]
     if cfg.impl == "fast" and backend.cutlass_takes(xs.dtype, ws[0].shape[1], ws[0].shape[2]):
-        dx, dws, droutes = _bwd_kernel(args, gs, need_x, need_w, xa=xa)
+        dx, dws, droutes = _bwd_kernel(args, gs, need_x, need_w, xa=xa, by_row=cfg.gather)
     else:
         dx, dws, droutes = _bwd_ragged(cfg, args, gs)
     return (dx if need_x else None, dws if need_w else None, None, None, tuple(droutes), None)

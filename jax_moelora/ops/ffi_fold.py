@@ -24,8 +24,9 @@ def _optional_operand(v):
 
 def _call(target, base_outs, route: MoeExpertRoute, operands, rows: int, pdl: bool, **attrs):
     """The custom call; ``base_outs``: the operands (indices into
-    ``operands``) each result aliases, in result order; ``rows``: the folded
-    rows, one row of the xa scratch each. Returns the folded results."""
+    ``operands``) each result aliases, in result order; ``rows``: the rows of
+    the xa result (the folded rows, twice them where the call keeps xa).
+    Returns the folded results, then the xa result."""
     _ext.register()
     out_types = tuple(jax.ShapeDtypeStruct(operands[i].shape, operands[i].dtype)
                       for i in base_outs)
@@ -37,22 +38,29 @@ def _call(target, base_outs, route: MoeExpertRoute, operands, rows: int, pdl: bo
     outs = call(*operands, route.a_pool, route.b_pool, route.a_table, route.b_table,
                 route.scale_table, pdl=np.int64(pdl),
                 **{k: np.int64(v) for k, v in attrs.items()})
-    return outs[:-1]
+    return outs
 
 
 def gather_bgmv_ffi(x, base_out, indices, route, row_adapter, *, top_k: int, x_gather: int,
                     impl: str, pdl: bool = True, base2=None, dense_tokens: int = 0,
-                    dense_experts: int = 0):
+                    dense_experts: int = 0, keep_xa: bool = False):
     """The gather custom call. Flat layout (``dense_tokens == 0``): returns
-    ``base_out`` folded. Dense expert layout (``ops/dense_fold.py``): returns
-    ``(base_out, base2)`` folded (``base2``: the second member's
-    ``[dense_experts * dense_tokens, N]``, or ``None`` for one member)."""
+    ``base_out`` folded, or with ``keep_xa`` ``(base_out folded, xa)``: ``xa
+    [n_slots, R]`` holds each folding row's ``round(x A^T)`` at its row (the
+    rows that fold nothing hold no value). Dense expert layout
+    (``ops/dense_fold.py``): returns ``(base_out, base2)`` folded (``base2``:
+    the second member's ``[dense_experts * dense_tokens, N]``, or ``None``
+    for one member)."""
     ra, has_ra = _optional_operand(row_adapter)
     b2 = base2 if base2 is not None else jnp.zeros((0, base_out.shape[1]), base_out.dtype)
-    out, out2 = _call(_ext.GATHER_BGMV_TARGET, (1, 2), route,
-                      (x, base_out, b2, indices, ra), indices.shape[0], top_k=top_k,
-                      pdl=pdl, x_gather=x_gather, has_row_adapter=has_ra, dense_tokens=dense_tokens,
-                      dense_experts=dense_experts, variant=FFI_VARIANT[impl])
+    n_slots = indices.shape[0]
+    out, out2, xa = _call(_ext.GATHER_BGMV_TARGET, (1, 2), route,
+                          (x, base_out, b2, indices, ra), n_slots * (2 if keep_xa else 1),
+                          top_k=top_k, pdl=pdl, x_gather=x_gather, has_row_adapter=has_ra,
+                          dense_tokens=dense_tokens, dense_experts=dense_experts,
+                          variant=FFI_VARIANT[impl], keep_xa=keep_xa)
+    if keep_xa:
+        return out, xa[:n_slots]
     if dense_tokens == 0:
         return out
     return out, (out2 if base2 is not None else None)
@@ -63,7 +71,7 @@ def grouped_down_ffi(x, base_out, expert_offsets, sorted_token_ids, route, row_a
                      pdl: bool = True):
     ra, has_ra = _optional_operand(row_adapter)
     orows, has_orows = _optional_operand(out_rows)
-    (out,) = _call(_ext.GROUPED_DOWN_TARGET, (1,), route,
+    out, _ = _call(_ext.GROUPED_DOWN_TARGET, (1,), route,
                    (x, base_out, expert_offsets, sorted_token_ids, ra, orows),
                    sorted_token_ids.shape[0], pdl=pdl, row_offset=row_offset, row_end=row_end,
                    x_gather=x_gather, has_row_adapter=has_ra, has_out_rows=has_orows,

@@ -50,9 +50,9 @@ it runs only where ``x``, the cotangents and the gathered ``A`` are finite
 own tiles keep a non-finite value in its cell.
 
 Where the forward already made ``xa`` (``expert_matmul``'s kernel folding
-inside its K loop leaves it, spread by adapter), the caller passes it
-(``lora_grads(xa=...)``) and the first ``gmm`` is not run: the backward then
-reads no ``A`` block to make it again.
+inside its K loop leaves it spread by adapter, the gather fold by row), the
+caller passes it (``lora_grads(xa=...)``) and the first ``gmm`` is not run:
+the backward then reads no ``A`` block to make it again.
 
 Numerics: every product accumulates in fp32; ``xa`` and ``u`` are rounded to
 the activation dtype, ``d_xa`` once more after the scale (exact for a scale
@@ -164,6 +164,11 @@ def cell_keys(L: int, E: int, adapter: jax.Array, expert: jax.Array, ok: jax.Arr
 def _pool(pool: jax.Array, plane: int) -> jax.Array:
     """Plane ``plane`` of a pool's leading dimensions: ``[P, R, K]`` or ``[P, N, R]``."""
     return pool.reshape((-1,) + pool.shape[-3:])[plane]
+
+
+def _rank(m: Member) -> int:
+    """The rank ``R`` of a member's pools."""
+    return int(m.a_pool.shape[-2])
 
 
 def _slot_index(slot: jax.Array, P: int) -> jax.Array:
@@ -296,10 +301,12 @@ def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
       stacked: the wide terms by expert over the stacked cells (module
         docstring) where the values allow; None: :func:`stacked_default`.
       xa: per member, the rows' ``round(x A^T)`` as its forward computed
-        them, spread by adapter: ``[M, L * R]``, row ``r``'s in the ``R``
-        columns of its cell's adapter, zeros elsewhere and for a row that
-        folds nothing (what ``expert_matmul``'s kernel leaves when it folds
-        inside its K loop). None: computed here (one ``gmm`` more).
+        them, zeros for a row that folds nothing: by row, ``[M, R]`` (what
+        the gather fold leaves), or spread by adapter, ``[M, L * R]``, row
+        ``r``'s in the ``R`` columns of its cell's adapter, zeros elsewhere
+        (what ``expert_matmul``'s kernel leaves when it folds inside its K
+        loop); the two are one with ``L == 1``. None: computed here (one
+        ``gmm`` more).
 
     Returns:
       ``(dx_rows [M, K] in x's dtype (a list of them with separate),
@@ -308,7 +315,7 @@ def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
     """
     L, G = members[0].loras, members[0].a_slot.shape[0]
     E = G // L
-    R = max(int(m.a_pool.shape[-2]) for m in members)
+    R = max(_rank(m) for m in members)
     if stacked is None:
         stacked = stacked_default(x_rows.shape[0], E, L, R)
     k2 = group_keys(key, offsets, L)
@@ -334,15 +341,16 @@ def lora_grads(x_rows: jax.Array, members: Sequence[Member], key: jax.Array,
 
 def _cell_terms(x, members, tables, key, goff, impl, kept=None):
     """``(xa, d_xa, d_scale)`` per member over the cells' groups ``goff``:
-    ``xa [M, R]`` (taken from ``kept``, the spread ``xa`` of
-    :func:`lora_grads`, when given) and ``d_xa [M, R]`` in the activation
-    dtype, ``d_scale`` f32 ``[G]``."""
+    ``xa [M, R]`` (taken from ``kept``, the ``xa`` of :func:`lora_grads`,
+    when given) and ``d_xa [M, R]`` in the activation dtype, ``d_scale`` f32
+    ``[G]``."""
     G = members[0].a_slot.shape[0]
     if kept is None:
         xa = gm.gmm([gm.GmmSet(x, m.a_pool, goff, t.a, 0, m.plane)
                      for m, t in zip(members, tables)], transpose_rhs=True, impl=impl)
     else:
-        xa = [_unspread(v, key, m.loras, G) for v, m in zip(kept, members)]
+        xa = [v if v.shape[1] == _rank(m) else _unspread(v, key, m.loras, G)
+              for v, m in zip(kept, members)]
     u = gm.gmm([gm.GmmSet(m.g, m.b_pool, goff, t.b, m.g_plane, m.plane)
                 for m, t in zip(members, tables)], impl=impl)
     d_xa = []
@@ -445,7 +453,8 @@ def _stacked_grads(x, members, tables, a_cells, key, k2, offsets, *, impl, acc, 
     E = G // L
     goff = _group_offsets(k2, offsets, tables[0].a.shape[0])
     xa_rows, d_xa, d_scale = _cell_terms(x, members, tables, key, goff, impl, xa)
-    xa_sp = xa if xa is not None else [_spread(v, key, L, G) for v in xa_rows]
+    xa_sp = [v if v.shape[1] == L * r.shape[1] else _spread(r, key, L, G)
+             for v, r in zip(xa if xa is not None else xa_rows, xa_rows)]
     d_sp = [_spread(d, key, L, G) for d in d_xa]
     dx = _dx([gm.GmmSet(d, a, offsets) for d, a in zip(d_sp, a_cells)], acc, separate, impl)
     # the sums rounded by the kernel where the pools take the operands' dtype
