@@ -290,8 +290,7 @@ def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra):
         return expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes, ra, cfg.pdl,
                                                    cfg.schedule, cfg.lora_in_gemm)[0]
     if kernel:
-        bases = expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, (None,) * len(ws),
-                                                    None, cfg.pdl, cfg.schedule)[0]
+        bases = _gemm_alone(cfg, xs, ws, offsets, stids)
     else:
         bases = [_ragged_seq(xs, w, offsets) for w in ws]
     fold_impl = "cpu" if cfg.impl == "cpu" else ("fast" if cfg.impl == "fast" else "jnp")
@@ -305,72 +304,69 @@ def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra):
                       for b, r in zip(bases, routes)])
 
 
-def _kept_xa_shape(cfg: _Cfg, xs, ws, routes) -> tuple[int, int, int] | None:
-    """The shape of the rows' shrinks ``xa`` the training forward keeps for the
-    backward, one plane a weight set; None where no kernel leaves them. The
-    gather fold (``cfg.gather``) leaves ``[M, R]``, each row's own ``R``
-    columns: planes ``[M, max R]``, weight set ``i``'s in the first ``R_i``
-    columns. The CUTLASS kernel folding inside its K loop leaves them spread
-    by adapter (``expert_matmul_ffi``'s ``xa``): planes ``[M, max L * R]``.
-    Both only where the backward runs on the kernels (:func:`_bwd`)."""
-    live = [r for r in routes if r is not None]
-    if not (live and cfg.impl in ("fast", "auto") and (cfg.gather or cfg.lora_in_gemm)
+def _kept_xa_shapes(cfg: _Cfg, xs, ws, routes) -> tuple | None:
+    """Per weight set, the shape of the rows' shrinks ``xa`` the training
+    forward keeps for the backward, in the form ``grouped_vjp.lora_grads``
+    reads (None for a weight set without LoRA); None where no kernel leaves
+    them. The gather fold (``cfg.gather``) leaves them by row, ``[M, R]``; the
+    CUTLASS kernel folding inside its K loop spread by adapter, ``[M, L *
+    R]`` (``expert_matmul_ffi``'s ``xa``). Both only where the backward runs
+    on the kernels (:func:`_bwd`)."""
+    if not (any(r is not None for r in routes) and cfg.impl in ("fast", "auto")
+            and (cfg.gather or cfg.lora_in_gemm)
             and backend.cutlass_takes(xs.dtype, ws[0].shape[1], ws[0].shape[2])):
         return None
-    width = max(r.max_rank if cfg.gather else r.max_loras * r.max_rank for r in live)
-    return (len(ws), xs.shape[0], width)
+    M = xs.shape[0]
+    return tuple(None if r is None else
+                 (M, r.max_rank if cfg.gather else r.max_loras * r.max_rank) for r in routes)
 
 
-def _forward_keeping_xa(cfg: _Cfg, shape, xs, ws, offsets, stids, routes, ra):
-    """``(the forward, xa)``: ``xa`` the kernel's rows' shrinks of ``shape``
-    (:func:`_kept_xa_shape`; zeros on the other platforms' branches, which
-    never read them), None where ``shape`` is None."""
-    if shape is None:
+def _gemm_alone(cfg: _Cfg, xs, ws, offsets, stids) -> jax.Array:
+    """``[len(ws), M, N]``: the CUTLASS grouped GEMM of each weight set, no LoRA."""
+    return expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, (None,) * len(ws), None,
+                                               cfg.pdl, cfg.schedule)[0]
+
+
+def _forward_keeping_xa(cfg: _Cfg, shapes, xs, ws, offsets, stids, routes, ra):
+    """``(the forward, xa)``: ``xa`` per weight set the kernels' rows' shrinks
+    of ``shapes`` (:func:`_kept_xa_shapes`; zeros on the other platforms'
+    branches, which never read them), None where ``shapes`` is None."""
+    if shapes is None:
         return _forward(cfg, xs, ws, offsets, stids, routes, ra), None
     if cfg.impl == "auto":
-        return _per_platform(cfg, lambda c, *a: _forward_keeping_xa(c, shape, *a),
+        return _per_platform(cfg, lambda c, *a: _forward_keeping_xa(c, shapes, *a),
                              xs, ws, offsets, stids, routes, ra)
     if cfg.impl != "fast":
-        return _forward(cfg, xs, ws, offsets, stids, routes, ra), jnp.zeros(shape, xs.dtype)
+        return (_forward(cfg, xs, ws, offsets, stids, routes, ra),
+                tuple(None if sh is None else jnp.zeros(sh, xs.dtype) for sh in shapes))
     ra = ra if cfg.has_ra else None
     if cfg.gather:
-        return _gather_keeping_xa(cfg, shape, xs, ws, offsets, stids, routes, ra)
-    return expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes, ra, cfg.pdl,
-                                               cfg.schedule, True)
+        return _gather_keeping_xa(cfg, xs, ws, offsets, stids, routes, ra)
+    out, xa = expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes, ra, cfg.pdl,
+                                                  cfg.schedule, True)
+    # plane i starts with weight set i's [M, L * R] (its own row stride)
+    return out, tuple(None if sh is None else xa[i].reshape(-1)[:sh[0] * sh[1]].reshape(sh)
+                      for i, sh in enumerate(shapes))
 
 
-def _gather_keeping_xa(cfg: _Cfg, shape, xs, ws, offsets, stids, routes, ra):
+def _gather_keeping_xa(cfg: _Cfg, xs, ws, offsets, stids, routes, ra):
     """:func:`_forward`'s gather branch on the kernels, each fold keeping its
-    rows' ``xa``: ``(out [n, M, N], xa [n, M, max R])``, plane ``i``'s first
-    ``R_i`` columns weight set ``i``'s folding rows' ``xa``, zeros for the
-    rows that fold nothing."""
-    bases = expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, (None,) * len(ws), None,
-                                                cfg.pdl, cfg.schedule)[0]
+    rows' ``xa``: ``(out [n, M, N], xa)``, ``xa`` per weight set its rows'
+    ``[M, R]``, zeros for the rows that fold nothing (None without LoRA)."""
     ids, adapter = _gather_rows(xs, offsets, stids, ra)
     outs, kept = [], []
-    for b, r in zip(bases, routes):
-        xa = jnp.zeros(shape[1:], xs.dtype)
+    for b, r in zip(_gemm_alone(cfg, xs, ws, offsets, stids), routes):
+        xa = None
         if r is not None:
             args = batching.match_varying((xs, b, ids, r, adapter), floats_only=False)
-            b, xa_r = ffi_fold.gather_bgmv_ffi(*args, top_k=1, x_gather=0, impl="fast",
-                                               pdl=cfg.pdl, keep_xa=True)
-            folds = jnp_fold.resolve_pairs(r, adapter, ids)[3]
-            xa = xa.at[:, :r.max_rank].set(jnp.where(folds[:, None], xa_r, 0))
+            b, xa = ffi_fold.gather_bgmv_ffi(*args, top_k=1, x_gather=0, impl="fast",
+                                             pdl=cfg.pdl, keep_xa=True)
+            xa = jnp.where(jnp_fold.resolve_pairs(r, adapter, ids)[3][:, None], xa, 0)
         outs.append(b)
         kept.append(xa)
     # typed varying like the operands (inside shard_map), as the folds' results are
-    return batching.match_varying(((jnp.stack(outs), jnp.stack(kept)), (xs, ws, routes)),
+    return batching.match_varying(((jnp.stack(outs), tuple(kept)), (xs, ws, routes)),
                                   floats_only=False)[0]
-
-
-def _kept_of(xa, i: int, route: MoeExpertRoute, by_row: bool) -> jax.Array:
-    """Weight set ``i``'s rows' ``xa`` in the kept ``xa [n, M, X]``
-    (:func:`_kept_xa_shape`): ``[M, R]`` ``by_row`` (the gather fold's),
-    else spread by adapter, ``[M, L * R]``."""
-    if by_row:
-        return xa[i][:, :route.max_rank]
-    M, width = xa.shape[1], route.max_loras * route.max_rank
-    return xa[i].reshape(-1)[:M * width].reshape(M, width)
 
 
 def _route_ct(route: MoeExpertRoute, grads: grouped_vjp.ProjectionGrads) -> MoeExpertRoute:
@@ -379,13 +375,12 @@ def _route_ct(route: MoeExpertRoute, grads: grouped_vjp.ProjectionGrads) -> MoeE
                                     grads.d_scale.reshape(E, L).T)
 
 
-def _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra, impl: str = "fast", xa=None,
-                     by_row: bool = False):
+def _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra, impl: str = "fast", xa=None):
     """dx of the folds (or None without LoRA) and the routes' cotangents, by
     the grouped matmuls of ``ops/grouped_vjp.py`` over (adapter, expert)
     cells: gate and up together where their tables have one shape. ``xa``:
-    the rows' shrinks the forward kept (:func:`_kept_xa_shape`; ``by_row``:
-    the gather fold's), or None."""
+    per weight set the rows' shrinks the forward kept (:func:`_kept_xa_shapes`),
+    or None."""
     M = xs.shape[0]
     live = [i for i, r in enumerate(routes) if r is not None]
     droutes: list = [None] * len(routes)
@@ -404,7 +399,7 @@ def _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra, impl: str = "fast", xa=
         # the tables' experts: the GEMM's first E_t groups (none past its E)
         lora_offsets = jnp.concatenate([offsets[:Et + 1],
                                         jnp.broadcast_to(offsets[E:], (max(Et - E, 0),))])
-        kept = None if xa is None else [_kept_of(xa, i, routes[i], by_row) for i in idx]
+        kept = None if xa is None else [xa[i] for i in idx]
         dx, grads = grouped_vjp.lora_grads(xs, members, key, lora_offsets, impl=impl, acc=dx,
                                            xa=kept)
         for i, gr in zip(idx, grads):
@@ -412,13 +407,12 @@ def _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra, impl: str = "fast", xa=
     return dx, droutes
 
 
-def _bwd_kernel(args, gs, need_x: bool, need_w: bool, impl: str = "fast", xa=None,
-                by_row: bool = False):
+def _bwd_kernel(args, gs, need_x: bool, need_w: bool, impl: str = "fast", xa=None):
     """The backward on the grouped-GEMM kernels: ``dx = sum_i g_i w_i^T`` (the
     weights read transposed in place) plus the folds' ``dx``; ``dw_i[e] =
     xs_e^T g_i`` only when the weights are differentiated."""
     xs, ws, offsets, stids, routes, ra = args
-    dx, droutes = _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra, impl, xa, by_row)
+    dx, droutes = _lora_bwd_kernel(xs, gs, offsets, stids, routes, ra, impl, xa)
     if need_x:
         for i, w in enumerate(ws):
             dx = gm.gmm([gm.GmmSet(gs, w, offsets, None, i, 0)], transpose_rhs=True,
@@ -460,7 +454,7 @@ def _bwd(cfg: _Cfg, args, gs, need_x: bool, need_w: bool, xa=None):
     ``xa`` it kept, if any), else through ``ragged_dot``."""
     xs, ws = args[0], args[1]
     if cfg.impl == "fast" and backend.cutlass_takes(xs.dtype, ws[0].shape[1], ws[0].shape[2]):
-        dx, dws, droutes = _bwd_kernel(args, gs, need_x, need_w, xa=xa, by_row=cfg.gather)
+        dx, dws, droutes = _bwd_kernel(args, gs, need_x, need_w, xa=xa)
     else:
         dx, dws, droutes = _bwd_ragged(cfg, args, gs)
     return (dx if need_x else None, dws if need_w else None, None, None, tuple(droutes), None)
@@ -488,8 +482,8 @@ def _op(cfg: _Cfg):
         args = _values((xs, ws, offsets, stids, routes, ra))
         # which operands are differentiated, kept as the residuals' (static) structure
         need = tuple(() if _perturbed(p) else None for p in (xs, ws))
-        shape = _kept_xa_shape(cfg, args[0], args[1], args[4])
-        out, xa = _forward_keeping_xa(cfg, shape, *args)
+        shapes = _kept_xa_shapes(cfg, args[0], args[1], args[4])
+        out, xa = _forward_keeping_xa(cfg, shapes, *args)
         return out, (args, need, xa)
 
     def bwd(res, gs):
