@@ -131,6 +131,12 @@ struct GatherArgs {
   // Where the simple kernels put a row's xa: the kept rows, else the scratch.
   __host__ __device__ __forceinline__ void* xa_rows() const { return kept_xa ? kept_xa : xa; }
 
+  // Flat row `row`'s kept xa (element type T), or null when the call keeps none.
+  template <class T>
+  __host__ __device__ __forceinline__ T* kept_row(int64_t row) const {
+    return kept_xa ? static_cast<T*>(kept_xa) + row * R : nullptr;
+  }
+
   // The first element of the output row of flat row `row` folding with
   // (virtual) expert `expert` (element type T). The flat layout returns
   // before the token is computed: a 64-bit division there cost the router's

@@ -58,11 +58,6 @@ __device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
   }
 }
 
-// Flat row `row`'s kept xa (keep_xa), or null when the call keeps none.
-__device__ __forceinline__ uint16_t* kept_row(const GatherArgs& a, int64_t row) {
-  return a.kept_xa ? static_cast<uint16_t*>(a.kept_xa) + row * a.R : nullptr;
-}
-
 // 16 bytes of a row's operands, from global memory (read-only path) or
 // from shared memory.
 template <bool kSmem>
@@ -222,7 +217,7 @@ __global__ void __launch_bounds__(kRowThreads, MINB) gather_rows_kernel(const Ga
     s_ok[threadIdx.x] = ok;
     s_orow[threadIdx.x] = ok ? a.out_row<uint16_t>(row, e) : nullptr;
     s_x[threadIdx.x] = ok ? a.x_row<uint16_t>(row, e) : nullptr;
-    s_kept[threadIdx.x] = ok ? kept_row(a, row) : nullptr;
+    s_kept[threadIdx.x] = ok ? a.kept_row<uint16_t>(row) : nullptr;
   }
   __syncthreads();
 #pragma unroll 1
@@ -293,7 +288,7 @@ __global__ void __launch_bounds__(kRowThreads, 1)
     s_pair[at] = pair;
     s_x[at] = a.x_row<uint16_t>(row0 + tid, e);
     s_orow[at] = a.out_row<uint16_t>(row0 + tid, e);
-    s_kept[at] = kept_row(a, row0 + tid);
+    s_kept[at] = a.kept_row<uint16_t>(row0 + tid);
   }
   __syncthreads();
   if (n == 0) return;  // uniform

@@ -216,11 +216,6 @@ __device__ void f32_fold_rows(const float* const* x, const float* __restrict__ A
   }
 }
 
-// Flat row `row`'s kept xa (keep_xa), or null when the call keeps none.
-__device__ __forceinline__ float* kept_f32(const GatherArgs& a, int64_t row) {
-  return a.kept_xa ? static_cast<float*>(a.kept_xa) + row * a.R : nullptr;
-}
-
 template <int RB>
 __global__ void __launch_bounds__(kF32Threads) gather_f32_kernel(const GatherArgs a) {
   const int64_t row = blockIdx.x;
@@ -233,7 +228,7 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_kernel(const GatherArg
                    static_cast<const float*>(a.a_pool) + int64_t(pair.a) * a.R * a.K,
                    static_cast<const float*>(a.b_pool) + int64_t(pair.b) * a.N * a.R,
                    pair.scale, a.K, int(a.R), a.N, a.out_row<float>(row, e), c0, c1,
-                   blockIdx.y == 0 ? kept_f32(a, row) : nullptr);
+                   blockIdx.y == 0 ? a.kept_row<float>(row) : nullptr);
 }
 
 // Long batches (the router's fold at prefill): one CTA per TR consecutive
@@ -261,7 +256,7 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_tiled_kernel(const Gat
     s_pair[tid] = pair;
     s_orow[tid] = ok ? a.out_row<float>(row, e) : nullptr;
     s_x[tid] = ok ? a.x_row<float>(row, e) : nullptr;
-    s_kept[tid] = ok && blockIdx.y == 0 ? kept_f32(a, row) : nullptr;
+    s_kept[tid] = ok && blockIdx.y == 0 ? a.kept_row<float>(row) : nullptr;
   }
   __syncthreads();
   const int64_t c0 = int64_t(blockIdx.y) * kF32Cols, c1 = min(a.N, c0 + kF32Cols);
