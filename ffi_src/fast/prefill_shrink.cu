@@ -82,7 +82,8 @@ __device__ __forceinline__ void cp_async_wait_dyn(int n) {
 // CTA calls it; it ends with a barrier.
 template <DType D, int NRG>
 __device__ void cell_shrink(char* smem, const CellLayout& lay, int nrows, const uint16_t* x,
-                            const uint16_t* A, const uint16_t* A1, int R0, int64_t K, int R) {
+                            bool x_once, const uint16_t* A, const uint16_t* A1, int R0, int64_t K,
+                            int R) {
   constexpr int SP = NRG >= 8 ? 1 : 8 / NRG;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
   const int* s_xrow = reinterpret_cast<const int*>(smem + lay.off_xrow);
@@ -92,6 +93,10 @@ __device__ void cell_shrink(char* smem, const CellLayout& lay, int nrows, const 
   const int nch = int((K + kCellKc - 1) / kCellKc);
   const int nrg = (nrows + 7) / 8;
   const uint16_t** s_src = reinterpret_cast<const uint16_t**>(smem + lay.off_src);
+  // Rows of x read once (x_once: not gathered, so each row is one sorted
+  // row's) go first out of L2, so that streaming them keeps there the A
+  // blocks that the cell's next tiles read again.
+  const uint64_t a_policy = l2_evict_normal(), x_policy = x_once ? l2_evict_first() : a_policy;
   for (int p0 = 0; p0 < lay.r16; p0 += lay.rp) {
     const int rp = min(lay.rp, lay.r16 - p0);
     const int nslab = rp / 16;
@@ -116,7 +121,7 @@ __device__ void cell_shrink(char* smem, const CellLayout& lay, int nrows, const 
         const uint16_t* src = s_src[ri];
         const bool valid = src != nullptr && k < K;
         char* dst = st + (ri < rp ? ri * kCellAStride : rp * kCellAStride + (ri - rp) * kCellXStride);
-        cp_async16(dst + 16 * lane, valid ? src + k : A, valid);
+        cp_async16(dst + 16 * lane, valid ? src + k : A, valid, ri < rp ? a_policy : x_policy);
       }
     };
     float acc[SP][NRG][4];
@@ -322,7 +327,7 @@ __global__ void __launch_bounds__(kCellThreads, 2) grouped_shrink_kernel(const G
       const uint16_t* A2 =
           fold2 ? static_cast<const uint16_t*>(a.a_pool2) + int64_t(pair2.a) * R * a.K : A1;
       if (!fold1) A1 = A2;
-      cell_shrink<D, NRG>(smem, lay, nrows, x, A1, A2, R, a.K, two ? 2 * R : R);
+      cell_shrink<D, NRG>(smem, lay, nrows, x, !a.x_gather, A1, A2, R, a.K, two ? 2 * R : R);
       const int64_t ld = a.xa_ld > 0 ? a.xa_ld : R, col = a.xa_by_adapter ? int64_t(cur) * R : 0;
       if (fold1) store_xa(smem, lay, nrows, xa_out, R, ld, col);
       if (fold2) store_xa(smem, lay, nrows, static_cast<uint16_t*>(a.xa2), R, ld, col, R);
