@@ -148,15 +148,21 @@ ffi::Error ExpertMatmulCudaImpl(
                    int64_t(scratch->size_bytes()), int(sm_count)};
   cudaError_t err = cudaSuccess;
   GroupedArgs shrinks[kExpertMatmulMaxWeights], folds[kExpertMatmulMaxWeights];
+  GroupedArgs packs[kExpertMatmulMaxWeights];
+  void* pack_b[kExpertMatmulMaxWeights] = {};
+  int32_t* pack_marks[kExpertMatmulMaxWeights] = {};
+  int n_packs = 0;
   int64_t n_shrinks = 0;
-  for (int64_t i = 0; i < num_weights && in_gemm && err == cudaSuccess; ++i) {
+  for (int64_t i = 0; i < num_weights && in_gemm; ++i) {
     if (!has_lora[i]) continue;
     GroupedArgs& f = folds[i] = fold_args(i, xa_plane(i));
     char* const base = static_cast<char*>(scratch->untyped_data());
     void* b_ext = base + b_ext_at[i];
     int32_t* marks = reinterpret_cast<int32_t*>(base + marks_at[i]);
     f.skip_cells = marks;
-    err = pack_lora_ext(f, b_ext, marks, stream);
+    packs[n_packs] = f;
+    pack_b[n_packs] = b_ext;
+    pack_marks[n_packs++] = marks;
     g.xa_ext[i] = f.xa;
     g.b_ext[i] = b_ext;
     g.ext_k[i] = f.xa_ld;
@@ -174,6 +180,7 @@ ffi::Error ExpertMatmulCudaImpl(
       shrinks[n_shrinks++] = f;
     }
   }
+  if (n_packs > 0) err = pack_lora_ext(packs, pack_b, pack_marks, n_packs, stream);
   for (int64_t j = 0; j < n_shrinks && err == cudaSuccess; ++j)
     err = shrink_lora_ext(shrinks[j], stream);
   if (err == cudaSuccess) err = kernel->run(g, stream);

@@ -36,44 +36,63 @@ constexpr int kPackThreads = 256;
 constexpr int kMarkedThreads = 256;
 constexpr int kMarkedWarps = kMarkedThreads / 32;
 
+// One weight set's pack: its B pool and route, where its b_ext and marks go.
+struct PackSet {
+  const uint16_t* b_pool;
+  RouteView route;
+  uint16_t* b_ext;
+  int32_t* marks;
+  int64_t e_eff;
+  int R;
+};
+struct PackSets {  // a kernel parameter: every set of the call, one launch
+  PackSet set[kExpertMatmulMaxWeights];
+  int n;
+};
+
 // Block (x: a chunk of kPackThreads columns; y, z: table rows l and experts
-// e, strided by the grid); thread n reads b_pool[b][n][0:R] (R / 8 16-byte
-// loads, R % 8 == 0) and writes column n of the R rows of its block
-// (coalesced over n). A value that is not finite is written as 0 and marks
-// its pair: marks[l * n_experts + e] and marks[L * n_experts] (any).
-// Experts without rows are left unwritten: the GEMM has no tile there.
+// e, strided by the grid), each weight set in turn; thread n reads
+// b_pool[b][n][0:R] (R / 8 16-byte loads, R % 8 == 0) and writes column n of
+// the R rows of its block (coalesced over n). A value that is not finite is
+// written as 0 and marks its pair: marks[l * n_experts + e] and
+// marks[L * n_experts] (any). Experts without rows are left unwritten: the
+// GEMM has no tile there.
 template <DType D>
 __global__ void __launch_bounds__(kPackThreads)
-    pack_b_ext(const uint16_t* b_pool, RouteView route, const int32_t* offsets, int64_t e_eff,
-               int64_t N, int R, uint16_t* b_ext, int32_t* marks) {
+    pack_b_ext(const PackSets sets, const int32_t* offsets, int64_t N) {
   const int64_t n = int64_t(blockIdx.x) * kPackThreads + threadIdx.x;
-  const int64_t ext_k = route.num_loras * R;
   if (n >= N) return;
-  for (int64_t e = blockIdx.z; e < e_eff; e += gridDim.z) {
-    if (offsets[e + 1] <= offsets[e]) continue;
-    for (int64_t l = blockIdx.y; l < route.num_loras; l += gridDim.y) {
-      Pair pair;
-      const bool folds = resolve_pair(route, l, e, &pair);
-      uint16_t* dst = b_ext + (e * ext_k + l * R) * N + n;
-      const uint16_t* src = b_pool + (int64_t(folds ? pair.b : 0) * N + n) * R;
-      bool bad = false;
-      for (int r0 = 0; r0 < R; r0 += 8) {
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (folds) v = *reinterpret_cast<const uint4*>(src + r0);
-        const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
+  for (int s = 0; s < sets.n; ++s) {
+    const PackSet& p = sets.set[s];
+    const RouteView& route = p.route;
+    const int R = p.R;
+    const int64_t ext_k = route.num_loras * R;
+    for (int64_t e = blockIdx.z; e < p.e_eff; e += gridDim.z) {
+      if (offsets[e + 1] <= offsets[e]) continue;
+      for (int64_t l = blockIdx.y; l < route.num_loras; l += gridDim.y) {
+        Pair pair;
+        const bool folds = resolve_pair(route, l, e, &pair);
+        uint16_t* dst = p.b_ext + (e * ext_k + l * R) * N + n;
+        const uint16_t* src = p.b_pool + (int64_t(folds ? pair.b : 0) * N + n) * R;
+        bool bad = false;
+        for (int r0 = 0; r0 < R; r0 += 8) {
+          uint4 v = make_uint4(0, 0, 0, 0);
+          if (folds) v = *reinterpret_cast<const uint4*>(src + r0);
+          const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          uint16_t p = folds ? fast::f2h<D>(pair.scale * fast::h2f<D>(h[j])) : uint16_t(0);
-          if (!isfinite(fast::h2f<D>(p))) {
-            p = 0;
-            bad = true;
+          for (int j = 0; j < 8; ++j) {
+            uint16_t q = folds ? fast::f2h<D>(pair.scale * fast::h2f<D>(h[j])) : uint16_t(0);
+            if (!isfinite(fast::h2f<D>(q))) {
+              q = 0;
+              bad = true;
+            }
+            dst[int64_t(r0 + j) * N] = q;
           }
-          dst[int64_t(r0 + j) * N] = p;
         }
-      }
-      if (bad) {  // every writer stores the same 1
-        marks[l * route.n_experts + e] = 1;
-        marks[route.num_loras * route.n_experts] = 1;
+        if (bad) {  // every writer stores the same 1
+          p.marks[l * route.n_experts + e] = 1;
+          p.marks[route.num_loras * route.n_experts] = 1;
+        }
       }
     }
   }
@@ -141,30 +160,40 @@ __global__ void __launch_bounds__(kMarkedThreads)
 
 }  // namespace
 
-cudaError_t pack_lora_ext(const GroupedArgs& f, void* b_ext, int32_t* marks,
-                          cudaStream_t stream) {
-  const int64_t ext_k = f.route.num_loras * f.R;
-  if (f.xa_ld != ext_k || !f.xa_by_adapter) return cudaErrorInvalidValue;
-  if (cudaError_t err = cudaMemsetAsync(f.xa, 0, size_t(f.te * ext_k) * 2, stream);
-      err != cudaSuccess)
-    return err;
-  if (cudaError_t err = cudaMemsetAsync(
-          marks, 0, size_t(f.route.num_loras * f.route.n_experts + 1) * 4, stream);
-      err != cudaSuccess)
-    return err;
-  const int64_t e_eff = std::min<int64_t>(f.route.n_experts, f.num_experts);
-  if (e_eff <= 0 || f.te <= 0) return cudaSuccess;
+cudaError_t pack_lora_ext(const GroupedArgs* folds, void* const* b_ext, int32_t* const* marks,
+                          int n_sets, cudaStream_t stream) {
+  if (n_sets < 1 || n_sets > kExpertMatmulMaxWeights) return cudaErrorInvalidValue;
+  PackSets sets = {};
+  sets.n = n_sets;
+  int64_t max_l = 1, max_e = 0;
+  for (int s = 0; s < n_sets; ++s) {
+    const GroupedArgs& f = folds[s];
+    const int64_t ext_k = f.route.num_loras * f.R;
+    if (f.xa_ld != ext_k || !f.xa_by_adapter || f.N != folds[0].N || f.te != folds[0].te ||
+        f.dtype != folds[0].dtype)
+      return cudaErrorInvalidValue;
+    if (cudaError_t err = cudaMemsetAsync(f.xa, 0, size_t(f.te * ext_k) * 2, stream);
+        err != cudaSuccess)
+      return err;
+    if (cudaError_t err = cudaMemsetAsync(
+            marks[s], 0, size_t(f.route.num_loras * f.route.n_experts + 1) * 4, stream);
+        err != cudaSuccess)
+      return err;
+    const int64_t e_eff = std::min<int64_t>(f.route.n_experts, f.num_experts);
+    sets.set[s] = PackSet{static_cast<const uint16_t*>(f.b_pool), f.route,
+                          static_cast<uint16_t*>(b_ext[s]), marks[s], e_eff, int(f.R)};
+    max_l = std::max(max_l, f.route.num_loras);
+    max_e = std::max(max_e, e_eff);
+  }
+  const GroupedArgs& f = folds[0];
+  if (max_e <= 0 || f.te <= 0) return cudaSuccess;
   constexpr int64_t kGridYZ = 65535;
   const dim3 grid(unsigned((f.N + kPackThreads - 1) / kPackThreads),
-                  unsigned(std::min(f.route.num_loras, kGridYZ)), unsigned(std::min(e_eff, kGridYZ)));
-  const auto* b_pool = static_cast<const uint16_t*>(f.b_pool);
-  auto* b = static_cast<uint16_t*>(b_ext);
+                  unsigned(std::min(max_l, kGridYZ)), unsigned(std::min(max_e, kGridYZ)));
   if (f.dtype == DType::kBf16)
-    pack_b_ext<DType::kBf16><<<grid, kPackThreads, 0, stream>>>(
-        b_pool, f.route, f.expert_offsets, e_eff, f.N, int(f.R), b, marks);
+    pack_b_ext<DType::kBf16><<<grid, kPackThreads, 0, stream>>>(sets, f.expert_offsets, f.N);
   else
-    pack_b_ext<DType::kF16><<<grid, kPackThreads, 0, stream>>>(
-        b_pool, f.route, f.expert_offsets, e_eff, f.N, int(f.R), b, marks);
+    pack_b_ext<DType::kF16><<<grid, kPackThreads, 0, stream>>>(sets, f.expert_offsets, f.N);
   return cudaPeekAtLastError();
 }
 
