@@ -302,7 +302,8 @@ def test_gate_and_up_of_different_ranks(rng):
 @GPU
 @HALF
 @pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
-def test_a_pair_whose_packed_b_is_not_finite_keeps_it_to_itself(rng, dtype, poison):
+@pytest.mark.parametrize("pair", [False, True], ids=["single", "up_of_gate_up"])
+def test_a_pair_whose_packed_b_is_not_finite_keeps_it_to_itself(rng, dtype, poison, pair):
     """Every row of an expert runs the extension's K steps over all of its
     packed B, so a NaN or inf in one pair's B slot (or a scale taking
     ``scale * B`` past the dtype's range) would reach the expert's other rows
@@ -310,10 +311,11 @@ def test_a_pair_whose_packed_b_is_not_finite_keeps_it_to_itself(rng, dtype, pois
     keep the bits they have with a finite slot, the rows that fold nothing
     keep the GEMM's, and the marked pair's rows are folded after the GEMM:
     NaN and inf where the fold after the GEMM has them, the rest within the
-    delta tolerance of it."""
-    case = make_case(rng, dtype=dtype, num_loras=3, E=5, K=128, N=96, M=400, ranks=(16,),
-                     max_rank=16)
-    route = case.routes[0]
+    delta tolerance of it. In a gate/up pair the slot is up's (the second
+    weight set of the one pack launch): gate keeps its bits."""
+    case = make_case(rng, dtype=dtype, num_loras=3, pair=pair, E=5, K=128, N=96, M=400,
+                     ranks=(16,), max_rank=16)
+    route = case.routes[-1]
     expert, adapter = _rows(case)
     folds = case.fold_rows(route)
     table_row = adapter if route.a_table.shape[0] > 1 else np.zeros_like(adapter)
@@ -324,11 +326,14 @@ def test_a_pair_whose_packed_b_is_not_finite_keeps_it_to_itself(rng, dtype, pois
     assert marked.any() and (folds & ~marked).any()
     b_pool = np.array(route.b_pool)
     b_pool[slot, 3, 5] = poison
-    bad = dataclasses.replace(case, routes=(route.replace(b_pool=b_pool),))
-    clean = case.run("fast", lora_in_gemm=True)
-    base = case.run("fast", lora=False)
-    got = bad.run("fast", lora_in_gemm=True)
-    after = bad.run("fast", lora_in_gemm=False, gather_max_rows=0)
+    bad = dataclasses.replace(case, routes=case.routes[:-1] + (route.replace(b_pool=b_pool),))
+    clean = _planes(case.run("fast", lora_in_gemm=True), pair)
+    base = _planes(case.run("fast", lora=False), pair)
+    got = _planes(bad.run("fast", lora_in_gemm=True), pair)
+    after = _planes(bad.run("fast", lora_in_gemm=False, gather_max_rows=0), pair)
+    if pair:
+        np.testing.assert_array_equal(bits(got[0]), bits(clean[0]))
+    clean, base, got, after = clean[-1], base[-1], got[-1], after[-1]
     np.testing.assert_array_equal(bits(got[~marked]), bits(clean[~marked]))
     np.testing.assert_array_equal(bits(got[~folds]), bits(base[~folds]))
     g, a = got[marked].astype(np.float64), after[marked].astype(np.float64)
