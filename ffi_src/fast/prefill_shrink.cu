@@ -15,12 +15,14 @@
 // multiplies the 32-wide slice w of every chunk (mma m16n8k16, rank in M,
 // rows in N, fp32); the 8 warp partials are summed in warp order and rounded
 // into xa (activation dtype), then stored. Ranks go in passes of
-// RP = 16 * SP, SP * NRG = 8 accumulator tiles per warp.
+// RP = 16 * SP, SP * NRG accumulator tiles per warp (8, or 16 at 32 ranks).
 // One wave of CTAs, each owning an equal run of the window's rows, walks its
 // run in tiles of up to MR rows of one expert; a tile's rows with one table
 // row form a batch (one pass over K per adapter in the tile), so x is read
-// once per row whatever the number of adapters in a tile. A row's bits do
-// not depend on the tiles or the runs.
+// once per row whatever the number of adapters in a tile. A tile that would
+// cut a run of rows of one table row (a cell, with rows sorted by adapter)
+// ends before it, so a cell of up to MR rows inside a CTA's run reads its A
+// block once. A row's bits do not depend on the tiles or the runs.
 
 #include "fast/fast_common.cuh"
 
@@ -41,10 +43,9 @@ struct CellLayout {
   int mr, r16, rp, xs;  // rows per batch, R rounded to 16, ranks per pass, xa row stride
   int stage, stages;
   int off_stage, off_xa, off_list, off_xrow, off_orow, off_misc, off_src, total;
-  __host__ __device__ CellLayout(int nrg, int R, int nstages) {
+  __host__ __device__ CellLayout(int nrg, int sp, int R, int nstages) {
     mr = 8 * nrg;
     r16 = (R + 15) / 16 * 16;
-    const int sp = nrg >= 8 ? 1 : 8 / nrg;
     rp = r16 < 16 * sp ? r16 : 16 * sp;
     xs = r16 + 8;
     stage = rp * kCellAStride + mr * kCellXStride;
@@ -56,13 +57,14 @@ struct CellLayout {
     off_list = o; o += 128 * 4;  // the tile's table rows and tokens
     off_xrow = o; o += mr * 4;
     off_orow = o; o += mr * 4;
-    off_misc = o; o += 64 * 4;
+    off_misc = o; o += 2 * kCellWarps * 4;
     off_src = o; o += (rp + mr) * 8;  // a pass's row addresses: A rows, then x rows
     total = (o + 127) / 128 * 128;
   }
-  static int stages_for(int nrg, int R) {
-    const int s = kCellStageBudget / CellLayout(nrg, R, 1).stage;
-    return s < 1 ? 1 : (s > kCellMaxStages ? kCellMaxStages : s);
+  // Stages within kCellStageBudget, and at least two.
+  static int stages_for(int nrg, int sp, int R) {
+    const int s = kCellStageBudget / CellLayout(nrg, sp, R, 1).stage;
+    return s < 2 ? 2 : (s > kCellMaxStages ? kCellMaxStages : s);
   }
 };
 
@@ -80,11 +82,10 @@ __device__ __forceinline__ void cp_async_wait_dyn(int n) {
 // memory), ranks j < R: rows j < R0 of A, then rows j - R0 of A1 (two
 // routes' blocks in one pass; A1 = A, R0 = R for one). Every thread of the
 // CTA calls it; it ends with a barrier.
-template <DType D, int NRG>
+template <DType D, int NRG, int SP>
 __device__ void cell_shrink(char* smem, const CellLayout& lay, int nrows, const uint16_t* x,
                             bool x_once, const uint16_t* A, const uint16_t* A1, int R0, int64_t K,
                             int R) {
-  constexpr int SP = NRG >= 8 ? 1 : 8 / NRG;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
   const int* s_xrow = reinterpret_cast<const int*>(smem + lay.off_xrow);
   uint16_t* xa = reinterpret_cast<uint16_t*>(smem + lay.off_xa);
@@ -205,7 +206,7 @@ __device__ __forceinline__ void store_xa(const char* smem, const CellLayout& lay
   }
 }
 
-template <DType D, int NRG>
+template <DType D, int NRG, int SP>
 __global__ void __launch_bounds__(kCellThreads, 2) grouped_shrink_kernel(const GroupedParams prm,
                                                                        const int stages) {
   constexpr int MR = 8 * NRG;
@@ -218,7 +219,7 @@ __global__ void __launch_bounds__(kCellThreads, 2) grouped_shrink_kernel(const G
   if (!cta_offsets_well_formed(a.expert_offsets, a.num_experts, a.te)) return;  // uniform
   // a second route (a.xa2): its ranks follow the first's in every pass
   const bool two = a.xa2 != nullptr;
-  const CellLayout lay(NRG, int(two ? 2 * a.R : a.R), stages);
+  const CellLayout lay(NRG, SP, int(two ? 2 * a.R : a.R), stages);
   const int tid = threadIdx.x, lane = tid & 31;
   const int64_t lo = max(int64_t(0), a.row_offset), hi = min(a.row_end, a.te);
   const int E = prm.e_eff, R = int(a.R);
@@ -269,11 +270,12 @@ __global__ void __launch_bounds__(kCellThreads, 2) grouped_shrink_kernel(const G
     span(e, &st, &en);
     r0 = st;
   }
-  for (; e <= e_last; r0 += MR) {
+  for (int used = 0; e <= e_last; r0 += used) {
     if (r0 >= en) {  // the next expert with rows here (uniform over the CTA)
       if (++e > e_last) break;
       span(e, &st, &en);
-      r0 = st - MR;
+      r0 = st;
+      used = 0;
       continue;
     }
     const int cnt = int(min(int64_t(MR), en - r0));
@@ -292,7 +294,18 @@ __global__ void __launch_bounds__(kCellThreads, 2) grouped_shrink_kernel(const G
       s_tok[tid] = tok;
     }
     __syncthreads();
-    const int v0 = s_l[lane], v1 = s_l[lane + 32];
+    // A tile cut before its expert's end leaves its last run of one table
+    // row (when it does not fill the tile) to the next tile, which starts
+    // there: with rows sorted by adapter, a tile then holds whole cells and
+    // a cell of up to MR rows reads its A block once.
+    used = cnt;
+    if (r0 + cnt < en) {
+      const int last = s_l[cnt - 1];
+      const unsigned d0 = __ballot_sync(0xffffffffu, lane < cnt && s_l[lane] != last);
+      const unsigned d1 = __ballot_sync(0xffffffffu, lane + 32 < cnt && s_l[lane + 32] != last);
+      if (d1 | d0) used = d1 ? 64 - __clz(d1) : 32 - __clz(d0);
+    }
+    const int v0 = lane < used ? s_l[lane] : -1, v1 = lane + 32 < used ? s_l[lane + 32] : -1;
     int prev = -1;
     for (;;) {
       // the next table row present in the tile (every warp computes the same)
@@ -327,7 +340,7 @@ __global__ void __launch_bounds__(kCellThreads, 2) grouped_shrink_kernel(const G
       const uint16_t* A2 =
           fold2 ? static_cast<const uint16_t*>(a.a_pool2) + int64_t(pair2.a) * R * a.K : A1;
       if (!fold1) A1 = A2;
-      cell_shrink<D, NRG>(smem, lay, nrows, x, !a.x_gather, A1, A2, R, a.K, two ? 2 * R : R);
+      cell_shrink<D, NRG, SP>(smem, lay, nrows, x, !a.x_gather, A1, A2, R, a.K, two ? 2 * R : R);
       const int64_t ld = a.xa_ld > 0 ? a.xa_ld : R, col = a.xa_by_adapter ? int64_t(cur) * R : 0;
       if (fold1) store_xa(smem, lay, nrows, xa_out, R, ld, col);
       if (fold2) store_xa(smem, lay, nrows, static_cast<uint16_t*>(a.xa2), R, ld, col, R);
@@ -337,7 +350,7 @@ __global__ void __launch_bounds__(kCellThreads, 2) grouped_shrink_kernel(const G
   }
 }
 
-template <DType D, int NRG>
+template <DType D, int NRG, int SP>
 cudaError_t grouped_shrink_nrg(const GroupedArgs& a, cudaStream_t stream) {
   constexpr int MR = 8 * NRG;
   GroupedParams prm = {};
@@ -345,9 +358,9 @@ cudaError_t grouped_shrink_nrg(const GroupedArgs& a, cudaStream_t stream) {
   const int64_t lo = std::max<int64_t>(0, a.row_offset), hi = std::min<int64_t>(a.row_end, a.te);
   prm.e_eff = int(std::min<int64_t>(a.route.n_experts, a.num_experts));
   const int ranks = int(a.xa2 != nullptr ? 2 * a.R : a.R);  // per pass over x
-  const int stages = CellLayout::stages_for(NRG, ranks);
-  const CellLayout lay(NRG, ranks, stages);
-  auto kernel = grouped_shrink_kernel<D, NRG>;
+  const int stages = CellLayout::stages_for(NRG, SP, ranks);
+  const CellLayout lay(NRG, SP, ranks, stages);
+  auto kernel = grouped_shrink_kernel<D, NRG, SP>;
   if (const cudaError_t err = ensure_smem(reinterpret_cast<const void*>(kernel), lay.total);
       err != cudaSuccess)
     return err;
@@ -370,11 +383,13 @@ cudaError_t grouped_shrink_nrg(const GroupedArgs& a, cudaStream_t stream) {
 
 }  // namespace
 
-// Tiles of 64 rows at rank <= 16, 32 at rank <= 64, else 16 (the
-// accumulators of a warp stay at 8 tensor-core tiles: 16, 32 and 64 ranks a
-// pass). At rank 64 the 32-row tiles read each A block half as often as
-// 16-row tiles for one more pass over x (H200, T = 4096, 4 adapters: 1-15 %
-// off each fold). The caller checks grouped_split_fits and that the window
+// Tiles of 64 rows at rank <= 32, 32 at rank <= 64, else 16: a warp's
+// accumulators are 8 tensor-core tiles (16, 32 and 64 ranks a pass), 16 at
+// 32 ranks (gate and up's shared pass at rank 16), whose 64-row tiles hold a
+// cell of T = 4096 (~64 rows) where 32-row tiles read its A pair two or
+// three times. At rank 64 the 32-row tiles read each A block half as often
+// as 16-row tiles for one more pass over x (H200, T = 4096, 4 adapters:
+// 1-15 % off each fold). The caller checks grouped_split_fits and that the window
 // [max(0, row_offset), min(row_end, te)) and min(route.n_experts,
 // num_experts) are not empty. With a second route (a.xa2) the ranks of a
 // pass are both routes' (2 R): x is read once for both.
@@ -382,13 +397,16 @@ cudaError_t launch_grouped_shrink(const GroupedArgs& a, cudaStream_t stream) {
   const bool bf16 = a.dtype == DType::kBf16;
   const int64_t ranks = a.xa2 != nullptr ? 2 * a.R : a.R;
   if (ranks <= 16)
-    return bf16 ? grouped_shrink_nrg<DType::kBf16, 8>(a, stream)
-                : grouped_shrink_nrg<DType::kF16, 8>(a, stream);
+    return bf16 ? grouped_shrink_nrg<DType::kBf16, 8, 1>(a, stream)
+                : grouped_shrink_nrg<DType::kF16, 8, 1>(a, stream);
+  if (ranks <= 32)
+    return bf16 ? grouped_shrink_nrg<DType::kBf16, 8, 2>(a, stream)
+                : grouped_shrink_nrg<DType::kF16, 8, 2>(a, stream);
   if (ranks <= 64)
-    return bf16 ? grouped_shrink_nrg<DType::kBf16, 4>(a, stream)
-                : grouped_shrink_nrg<DType::kF16, 4>(a, stream);
-  return bf16 ? grouped_shrink_nrg<DType::kBf16, 2>(a, stream)
-              : grouped_shrink_nrg<DType::kF16, 2>(a, stream);
+    return bf16 ? grouped_shrink_nrg<DType::kBf16, 4, 2>(a, stream)
+                : grouped_shrink_nrg<DType::kF16, 4, 2>(a, stream);
+  return bf16 ? grouped_shrink_nrg<DType::kBf16, 2, 4>(a, stream)
+              : grouped_shrink_nrg<DType::kF16, 2, 4>(a, stream);
 }
 
 }  // namespace fast
