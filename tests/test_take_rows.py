@@ -76,3 +76,24 @@ def test_gradient_is_that_of_indexing(fn, dtype):
         assert np.all(err <= bound), (err - bound).max()
     if jax.default_backend() == "cpu":
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("fn", [lambda x, i: take_rows(x, i, zero_outside=True),
+                                lambda x, i: _take_words(x, i, True)], ids=["take_rows", "words"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_zero_outside_reads_zero_rows_and_passes_no_gradient(fn, dtype):
+    """``zero_outside=True``: ids outside ``[0, T)`` (negative ones included,
+    which indexing would wrap) read rows of zeros and add nothing to ``x``'s
+    gradient; the other rows are ``x[ids]``'s bits and gradient."""
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(7, 10)).astype(np.float32)).astype(dtype)
+    ids = np.asarray([3, -1, 0, 7, 6, 10, 2, -7], np.int32)
+    ok = (ids >= 0) & (ids < 7)
+    got = np.asarray(jax.jit(fn)(x, jnp.asarray(ids)))
+    np.testing.assert_array_equal(got[~ok].astype(np.float32), 0.0)
+    np.testing.assert_array_equal(got[ok].view(np.uint16), np.asarray(x)[ids[ok]].view(np.uint16))
+    w = jnp.asarray(rng.normal(size=(8, 10)).astype(np.float32)).astype(dtype)
+    grad = jax.grad(lambda x: jnp.sum((fn(x, jnp.asarray(ids)) * w).astype(jnp.float32)))(x)
+    want = np.zeros((7, 10))
+    np.add.at(want, ids[ok], np.asarray(w.astype(jnp.float32), np.float64)[ok])
+    np.testing.assert_array_equal(np.asarray(grad, np.float64), want)  # one term a row: exact
