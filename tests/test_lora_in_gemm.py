@@ -252,6 +252,41 @@ def test_option_reaches_the_custom_call(option, value):
 
 
 @GPU
+@pytest.mark.parametrize("lora_in_gemm", [True, False], ids=["in_gemm", "after"])
+@pytest.mark.parametrize("with_map", [True, False], ids=["map", "no_map"])
+def test_token_rows_give_the_bits_of_the_sorted_rows(rng, lora_in_gemm, with_map):
+    """With ``x_gather=1`` the custom call's shrinks read each row from its
+    token, ``x[sorted_token_ids[r]]`` (the ``top_k`` rows of a token share one
+    row of ``x``): the same bits as the rows gathered beforehand and passed
+    with ``x_gather=0``, tokens out of range included."""
+    case = make_case(rng, num_loras=4, pair=True, x_gather=1, E=6, K=136, N=200, M=300,
+                     ranks=(8, 16), max_rank=16, with_map=with_map)
+    ra = case.row_adapter
+    if ra is None:  # what expert_matmul reads for x_gather=1 without a map
+        ra = np.zeros((case.x.shape[0],), np.int32)
+    gathered = dataclasses.replace(case, x=case.xs(), x_gather=0, row_adapter=ra)
+    for got, want in zip(case.run("fast", lora_in_gemm=lora_in_gemm, gather_max_rows=0),
+                         gathered.run("fast", lora_in_gemm=lora_in_gemm, gather_max_rows=0)):
+        np.testing.assert_array_equal(bits(got), bits(want))
+
+
+@GPU
+@pytest.mark.parametrize("x_gather", [0, 1])
+def test_token_rows_reach_the_custom_call(x_gather):
+    """``x_gather=1`` with LoRA passes the tokens to the custom call
+    (``lora_x_gather = 1``); ``x_gather=0`` reads the rows themselves."""
+    route = jax.tree.map(jnp.asarray, _route(4, 16, K=768, N=64))
+    T = 32 if x_gather else 64
+    x, w = jnp.zeros((T, 768), jnp.bfloat16), jnp.zeros((4, 768, 64), jnp.bfloat16)
+    gs = jnp.asarray([16, 16, 16, 16], jnp.int32)
+    stids = jnp.arange(64, dtype=jnp.int32) % T
+    hlo = jax.jit(lambda x, w, gs, r: ml.expert_matmul(
+        x, w, gs, lora=r, sorted_token_ids=stids, x_gather=x_gather, impl="fast",
+        gather_max_rows=0)).lower(x, w, gs, route).as_text()
+    assert re.findall(r"lora_x_gather = (\d+)", hlo) == [str(x_gather)]
+
+
+@GPU
 def test_block_prefill_folds_in_the_gemm():
     """``MoEBlock``'s prefill on the GPU (sorted rows, the CUTLASS GEMM) folds
     gate/up and down inside the GEMMs' custom calls (``lora_in_gemm = 1``

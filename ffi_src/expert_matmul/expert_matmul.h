@@ -4,6 +4,7 @@
 // ragged_dot, see jax_moelora/ops/expert_matmul.py):
 //   operands: x [M, K], offsets int32 [E + 1], w0 [E, K, N], w1 [E, K, N],
 //             sorted_token_ids int32 [M], row_adapter int32 [num_tokens] (or [1]),
+//             lora_x [num_tokens, K] (read with lora_x_gather, else any array),
 //             then two routes, five arrays each (a_pool [P, R, K], b_pool [P, N, R],
 //             a_table int32 [L, E_t], b_table int32 [L, E_t], scale_table f32 [L, E_t]);
 //             an absent route is any arrays of the right dtypes (not read).
@@ -22,12 +23,16 @@
 //             pdl (the fold's expand may use programmatic dependent launch),
 //             schedule (ExpertMatmulSchedule: the CUTLASS kernel schedule),
 //             lora_in_gemm (1: the fold inside the GEMM's K loop, lora_ext.cu
-//             and lora_k_mainloop.cuh; 0: the grouped fold after the GEMM).
+//             and lora_k_mainloop.cuh; 0: the grouped fold after the GEMM),
+//             lora_x_gather (1: the folds' shrinks read row r of x as
+//             lora_x[sorted_token_ids[r]], which the caller guarantees holds
+//             the same values, so that top_k rows share one token row in L2).
 //   offsets:  offsets[0] = 0, non-decreasing, offsets[E] <= M (traced jnp builds
 //             them from group_sizes). Row r in [offsets[e], offsets[e+1]) is
 //             round(x[r] @ w[e]); rows r >= offsets[E] are zero. Then each
 //             weight set with a route is folded by the grouped fold with
-//             x_gather = 0 (row r reads x[r], its token sorted_token_ids[r]);
+//             x_gather = 0 (row r reads x[r], its token sorted_token_ids[r];
+//             with lora_x_gather the same values from lora_x);
 //             with lora_in_gemm an adapted row is instead
 //             round(x[r] @ w[e] + round(x[r] A^T) @ round(scale B^T)).
 // x, w, pools and outputs share one dtype: bf16 or f16; K and N are multiples

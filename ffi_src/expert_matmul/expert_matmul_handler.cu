@@ -53,13 +53,14 @@ struct RouteBuffers {
 ffi::Error ExpertMatmulCudaImpl(
     cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> offsets, ffi::AnyBuffer w0,
     ffi::AnyBuffer w1, ffi::Buffer<ffi::S32> sorted_token_ids, ffi::Buffer<ffi::S32> row_adapter,
-    ffi::AnyBuffer a0, ffi::AnyBuffer b0, ffi::Buffer<ffi::S32> at0, ffi::Buffer<ffi::S32> bt0,
+    ffi::AnyBuffer lora_x, ffi::AnyBuffer a0, ffi::AnyBuffer b0, ffi::Buffer<ffi::S32> at0,
+    ffi::Buffer<ffi::S32> bt0,
     ffi::Buffer<ffi::F32> st0, ffi::AnyBuffer a1, ffi::AnyBuffer b1, ffi::Buffer<ffi::S32> at1,
     ffi::Buffer<ffi::S32> bt1, ffi::Buffer<ffi::F32> st1, ffi::Result<ffi::AnyBuffer> out,
     ffi::Result<ffi::AnyBuffer> scratch,
     ffi::Result<ffi::AnyBuffer> xa, int64_t num_weights, int64_t has_lora0, int64_t has_lora1,
     int64_t has_row_adapter, int64_t sm_count, int64_t pdl, int64_t schedule,
-    int64_t lora_in_gemm) {
+    int64_t lora_in_gemm, int64_t lora_x_gather) {
   const auto xd = x.dimensions(), wd = w0.dimensions();
   if (xd.size() != 2 || wd.size() != 3) return invalid("x must be [M, K] and w [E, K, N]");
   const int64_t M = xd[0], K = xd[1], E = wd[0], N = wd[2];
@@ -87,6 +88,16 @@ ffi::Error ExpertMatmulCudaImpl(
   void* outs[kExpertMatmulMaxWeights] = {};
   for (int64_t i = 0; i < num_weights; ++i) outs[i] = out_base + i * M * N * 2;  // 2-byte elements
   const DType dtype = dt == ffi::DataType::BF16 ? DType::kBf16 : DType::kF16;
+  // The folds' shrinks read x[r] or, with lora_x_gather, the same values
+  // from the tokens, lora_x[sorted_token_ids[r]]: top_k rows of x share one
+  // token row, which stays in L2 between its reads at prefill sizes.
+  const bool tokens = lora_x_gather != 0;
+  const auto lxd = lora_x.dimensions();
+  const int64_t num_ra = has_row_adapter ? int64_t(row_adapter.element_count()) : 0;
+  if (tokens && (lxd.size() != 2 || lxd[1] != K || lora_x.element_type() != dt))
+    return invalid("lora_x must be [num_tokens, K] in x's dtype");
+  if (tokens && has_row_adapter && num_ra != lxd[0])
+    return invalid("row_adapter and lora_x disagree on num_tokens");
   const bool in_gemm = lora_in_gemm != 0;
   const ExpertGemmKernel* kernel = gemm_kernel(dtype, schedule, in_gemm);
   if (kernel == nullptr) return invalid("schedule");
@@ -104,11 +115,11 @@ ffi::Error ExpertMatmulCudaImpl(
   const auto xad = xa->dimensions();
   // weight set i's grouped fold over its GEMM output, its shrink into xa_rows
   auto fold_args = [&](int64_t i, void* xa_rows) {
-    GroupedArgs f{dtype, x.untyped_data(), outs[i], xa_rows, offsets.typed_data(),
-                  sorted_token_ids.typed_data(), row_adapter.typed_data(), has_row_adapter != 0,
-                  has_row_adapter ? int64_t(row_adapter.element_count()) : 0,
+    GroupedArgs f{dtype, tokens ? lora_x.untyped_data() : x.untyped_data(), outs[i], xa_rows,
+                  offsets.typed_data(), sorted_token_ids.typed_data(), row_adapter.typed_data(),
+                  has_row_adapter != 0, tokens ? lxd[0] : num_ra,
                   rb[i].a_pool.untyped_data(), rb[i].b_pool.untyped_data(), routes[i], E, M, K, N,
-                  dims[i].R, 0, M, false, nullptr, M, pdl != 0};
+                  dims[i].R, 0, M, tokens, nullptr, M, pdl != 0};
     if (in_gemm) {  // xa_rows: weight set i's plane of xa_ext
       f.xa_ld = routes[i].num_loras * dims[i].R;
       f.xa_by_adapter = true;
@@ -220,6 +231,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertMatmulCuda, moelora::ExpertMatmulCudaImpl,
                                   .Arg<ffi::AnyBuffer>()              // w1 [E, K, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()       // sorted_token_ids [M]
                                   .Arg<ffi::Buffer<ffi::S32>>()       // row_adapter
+                                  .Arg<ffi::AnyBuffer>()              // lora_x [num_tokens, K]
                                   .Arg<ffi::AnyBuffer>()              // route 0: a_pool
                                   .Arg<ffi::AnyBuffer>()              //          b_pool
                                   .Arg<ffi::Buffer<ffi::S32>>()       //          a_table
@@ -240,5 +252,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertMatmulCuda, moelora::ExpertMatmulCudaImpl,
                                   .Attr<int64_t>("sm_count")
                                   .Attr<int64_t>("pdl")
                                   .Attr<int64_t>("schedule")
-                                  .Attr<int64_t>("lora_in_gemm"),
+                                  .Attr<int64_t>("lora_in_gemm")
+                                  .Attr<int64_t>("lora_x_gather"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -234,20 +234,23 @@ def expert_matmul_folded(x: Array, ws: tuple[Array, ...], rows: ExpertRows, rout
     stacked output (the block's grouped fold)."""
     srt = rows.ragged
     sizes = jnp.diff(srt.expert_offsets).astype(jnp.int32)
-    xs = take_rows(x, srt.sorted_token_ids) if x_gather else x
     pair = len(ws) == 2
 
-    def in_gemm(xs, ws, sizes):
+    def in_gemm(x, ws, sizes):
+        # x_gather: the call gathers the tokens itself and its shrinks read them
+        # where they lie (top_k sorted rows share one token row)
         out = _library_expert_matmul(
-            xs, ws if pair else ws[0], sizes, lora=tuple(routes) if pair else routes[0],
-            row_adapter=row_adapter, sorted_token_ids=srt.sorted_token_ids, stacked=pair,
-            impl="auto", gather_max_rows=0)  # "auto": traced whatever the default device
+            x, ws if pair else ws[0], sizes, lora=tuple(routes) if pair else routes[0],
+            row_adapter=row_adapter, sorted_token_ids=srt.sorted_token_ids,
+            x_gather=int(x_gather), stacked=pair, impl="auto",
+            gather_max_rows=0)  # "auto": traced whatever the default device
         return out if pair else out[None]
 
-    def after(xs, ws, sizes):
+    def after(x, ws, sizes):
+        xs = take_rows(x, srt.sorted_token_ids) if x_gather else x
         return fold(_grouped_gemm(xs, ws, sizes, rows.gemm, stacked=True))
 
-    return backend.per_platform(xs, tuple(ws), sizes, cpu=after, cuda=in_gemm, default=after)
+    return backend.per_platform(x, tuple(ws), sizes, cpu=after, cuda=in_gemm, default=after)
 
 
 def expert_matmul(x: Array, w: Array, rows: ExpertRows, *, x_gather: bool) -> Array:

@@ -68,6 +68,7 @@ from jax_moelora.ops import (autodiff, backend, batching, expert_matmul_ffi, ffi
 from jax_moelora.ops import grouped_matmul as gm
 from jax_moelora.ops.folds import gather_rows_limit
 from jax_moelora.ops.jnp_fold import rounded
+from jax_moelora.ops.take_rows import take_rows
 from jax_moelora.tables import FLOAT_DTYPES, MoeExpertRoute
 
 __all__ = ["expert_matmul", "expert_offsets", "uses_kernel", "gemm_schedule", "lora_ext_k",
@@ -279,16 +280,18 @@ def gemm_schedule(K: int) -> str:
     return "pingpong" if K <= PINGPONG_MAX_K else "cooperative"
 
 
-def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra):
-    """``[len(ws), M, N]``: weight set ``i``'s folded output is plane ``i``."""
+def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra, xt=None):
+    """``[len(ws), M, N]``: weight set ``i``'s folded output is plane ``i``.
+    ``xt``: the tokens ``xs`` was gathered from (``x_gather=1``) or None; the
+    custom call's shrinks read them there (same values, fewer bytes)."""
     if cfg.impl == "auto":
-        return _per_platform(cfg, _forward, xs, ws, offsets, stids, routes, ra)
+        return _per_platform(cfg, _forward, xs, ws, offsets, stids, routes, ra, xt)
     ra = ra if cfg.has_ra else None
     kernel = cfg.impl == "fast" and backend.cutlass_takes(xs.dtype, ws[0].shape[1], ws[0].shape[2])
     gather = cfg.gather and any(r is not None for r in routes)
     if kernel and not gather:  # the GEMM and the grouped fold in one custom call
         return expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes, ra, cfg.pdl,
-                                                   cfg.schedule, cfg.lora_in_gemm)[0]
+                                                   cfg.schedule, cfg.lora_in_gemm, xt)[0]
     if kernel:
         bases = _gemm_alone(cfg, xs, ws, offsets, stids)
     else:
@@ -327,23 +330,23 @@ def _gemm_alone(cfg: _Cfg, xs, ws, offsets, stids) -> jax.Array:
                                                cfg.pdl, cfg.schedule)[0]
 
 
-def _forward_keeping_xa(cfg: _Cfg, shapes, xs, ws, offsets, stids, routes, ra):
+def _forward_keeping_xa(cfg: _Cfg, shapes, xs, ws, offsets, stids, routes, ra, xt):
     """``(the forward, xa)``: ``xa`` per weight set the kernels' rows' shrinks
     of ``shapes`` (:func:`_kept_xa_shapes`; zeros on the other platforms'
     branches, which never read them), None where ``shapes`` is None."""
     if shapes is None:
-        return _forward(cfg, xs, ws, offsets, stids, routes, ra), None
+        return _forward(cfg, xs, ws, offsets, stids, routes, ra, xt), None
     if cfg.impl == "auto":
         return _per_platform(cfg, lambda c, *a: _forward_keeping_xa(c, shapes, *a),
-                             xs, ws, offsets, stids, routes, ra)
+                             xs, ws, offsets, stids, routes, ra, xt)
     if cfg.impl != "fast":
-        return (_forward(cfg, xs, ws, offsets, stids, routes, ra),
+        return (_forward(cfg, xs, ws, offsets, stids, routes, ra, xt),
                 tuple(None if sh is None else jnp.zeros(sh, xs.dtype) for sh in shapes))
     ra = ra if cfg.has_ra else None
     if cfg.gather:
         return _gather_keeping_xa(cfg, xs, ws, offsets, stids, routes, ra)
     out, xa = expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes, ra, cfg.pdl,
-                                                  cfg.schedule, True)
+                                                  cfg.schedule, True, xt)
     # plane i starts with weight set i's [M, L * R] (its own row stride)
     return out, tuple(None if sh is None else xa[i].reshape(-1)[:sh[0] * sh[1]].reshape(sh)
                       for i, sh in enumerate(shapes))
@@ -457,7 +460,8 @@ def _bwd(cfg: _Cfg, args, gs, need_x: bool, need_w: bool, xa=None):
         dx, dws, droutes = _bwd_kernel(args, gs, need_x, need_w, xa=xa)
     else:
         dx, dws, droutes = _bwd_ragged(cfg, args, gs)
-    return (dx if need_x else None, dws if need_w else None, None, None, tuple(droutes), None)
+    return (dx if need_x else None, dws if need_w else None, None, None, tuple(droutes), None,
+            None)
 
 
 def _is_primal(p) -> bool:
@@ -474,16 +478,19 @@ def _perturbed(primals) -> bool:
 
 @functools.cache
 def _op(cfg: _Cfg):
+    # xt: the tokens xs was gathered from, or None. It only says where the
+    # custom call's shrinks may read xs's values (xs[r] == xt[stids[r]] for
+    # every row that folds), so it gets no cotangent: x's flows through xs.
     @jax.custom_vjp
-    def op(xs, ws, offsets, stids, routes, ra):
-        return _forward(cfg, xs, ws, offsets, stids, routes, ra)
+    def op(xs, ws, offsets, stids, routes, ra, xt):
+        return _forward(cfg, xs, ws, offsets, stids, routes, ra, xt)
 
-    def fwd(xs, ws, offsets, stids, routes, ra):
+    def fwd(xs, ws, offsets, stids, routes, ra, xt):
         args = _values((xs, ws, offsets, stids, routes, ra))
         # which operands are differentiated, kept as the residuals' (static) structure
         need = tuple(() if _perturbed(p) else None for p in (xs, ws))
         shapes = _kept_xa_shapes(cfg, args[0], args[1], args[4])
-        out, xa = _forward_keeping_xa(cfg, shapes, *args)
+        out, xa = _forward_keeping_xa(cfg, shapes, *args, _values(xt))
         return out, (args, need, xa)
 
     def bwd(res, gs):
@@ -577,19 +584,20 @@ def _check_row_adapter(row_adapter, num_tokens: int, per_token: bool) -> None:
 
 def _sorted_rows(x, M: int, num_tokens: int, x_gather: int, sorted_token_ids, row_adapter,
                  has_lora: bool):
-    """``(xs [M, K], stids int32 [M], row-adapter map or None)``: the rows
+    """``(xs [M, K], stids int32 [M], row-adapter map or None, xt)``: the rows
     the GEMM reads (``x_gather=1``: gathered, zero for a token outside
-    ``[0, num_tokens)``, which a map of zeros then keeps from folding)."""
+    ``[0, num_tokens)``, which a map of zeros then keeps from folding), and
+    the tokens they were gathered from where a LoRA shrink may read them
+    there (``x_gather=1`` with LoRA), else None."""
     stids = (jnp.arange(M, dtype=jnp.int32) if sorted_token_ids is None
              else jnp.asarray(sorted_token_ids))
     xs = x
     if x_gather:
-        ok = (stids >= 0) & (stids < num_tokens)
-        xs = jnp.where(ok[:, None], jnp.take(x, jnp.clip(stids, 0, num_tokens - 1), axis=0),
-                       jnp.zeros((), x.dtype))
+        xs = take_rows(x, stids, zero_outside=True)
         if row_adapter is None and has_lora:
             row_adapter = jnp.zeros((num_tokens,), jnp.int32)
-    return xs, stids, (row_adapter if (has_lora and row_adapter is not None) else None)
+    return (xs, stids, (row_adapter if (has_lora and row_adapter is not None) else None),
+            x if (x_gather and has_lora) else None)
 
 
 # ---- public op ---------------------------------------------------------------------------------
@@ -659,7 +667,7 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
     gather = gather_rows_limit(E, gather_max_rows) >= M
     impl = backend.check_impl(impl)  # "auto": decided at lowering
 
-    xs, stids, ra = _sorted_rows(x, M, num_tokens, x_gather, sorted_token_ids, row_adapter,
+    xs, stids, ra, xt = _sorted_rows(x, M, num_tokens, x_gather, sorted_token_ids, row_adapter,
                                  has_lora)
     offsets = expert_offsets(group_sizes, M)
     routes = tuple(None if r is None else jax.tree_util.tree_map(jnp.asarray, r) for r in routes)
@@ -667,7 +675,7 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
                gemm_schedule(K) if schedule == "auto" else schedule,
                lora_in_gemm_default(K, routes) if lora_in_gemm is None else lora_in_gemm)
     ra_arg = ra if ra is not None else jnp.zeros((1,), jnp.int32)
-    out = _op(cfg)(xs, tuple(ws), offsets, stids, routes, ra_arg)  # [len(ws), M, N]
+    out = _op(cfg)(xs, tuple(ws), offsets, stids, routes, ra_arg, xt)  # [len(ws), M, N]
     if not pair:
         return out[0]
     if glu:

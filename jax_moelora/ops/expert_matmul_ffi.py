@@ -59,7 +59,7 @@ def lora_in_gemm_scratch(routes, E: int, N: int) -> int:
 
 
 def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter, pdl: bool, schedule: str,
-                      lora_in_gemm: bool = False):
+                      lora_in_gemm: bool = False, x_tokens=None):
     """One custom call: the grouped GEMM of each weight set in ``ws`` (one or
     two ``[E, K, N]``) over ``xs [M, K]`` with the CUTLASS kernel of
     ``schedule`` (``"cooperative"`` or ``"pingpong"``), each output folded
@@ -69,7 +69,11 @@ def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter, pdl: bool, sc
     (``X`` the largest ``L * R``), whose plane ``i`` starts with weight set
     ``i``'s ``[M, L * R]``: each folding row's ``round(x A^T)`` in the ``R``
     columns of its table row, zeros elsewhere (what the backward reads, see
-    ``ops/expert_matmul.py``); else the fold's scratch, of no meaning."""
+    ``ops/expert_matmul.py``); else the fold's scratch, of no meaning.
+
+    ``x_tokens [num_tokens, K]``, when given, holds the tokens ``xs`` was
+    gathered from (``xs[r] == x_tokens[stids[r]]`` for every row that folds):
+    the folds' shrinks read it there, ``top_k`` rows sharing one token row."""
     _ext.register()
     M, _ = xs.shape
     E, _, N = ws[0].shape
@@ -92,10 +96,12 @@ def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter, pdl: bool, sc
     r0 = _route_operands(routes[0], dt)
     r1 = _route_operands(routes[1] if nw > 1 else None, dt)
     call = jax.ffi.ffi_call(_ext.EXPERT_MATMUL_TARGET, out_types, vmap_method="sequential")
+    lora_x = xs if x_tokens is None else x_tokens
     out, _scratch, xa = call(
-        xs, offsets, ws[0], w1, stids, ra, *r0, *r1,
+        xs, offsets, ws[0], w1, stids, ra, lora_x, *r0, *r1,
         num_weights=np.int64(nw), has_lora0=np.int64(routes[0] is not None),
         has_lora1=np.int64(nw > 1 and routes[1] is not None),
         has_row_adapter=np.int64(row_adapter is not None), sm_count=np.int64(sm),
-        pdl=np.int64(pdl), schedule=np.int64(_SCHEDULES[schedule]), lora_in_gemm=np.int64(fuse))
+        pdl=np.int64(pdl), schedule=np.int64(_SCHEDULES[schedule]), lora_in_gemm=np.int64(fuse),
+        lora_x_gather=np.int64(x_tokens is not None))
     return out, xa
