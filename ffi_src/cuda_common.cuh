@@ -107,6 +107,7 @@ __device__ __forceinline__ float block_output_group_sum(float v) {
 // Everything a gather fold launch needs (device pointers; shapes as int64).
 struct GatherArgs {
   DType dtype;
+  DType x_dtype;            // dtype, or bf16/f16 under f32 pools (read widened)
   const void* x;            // x_gather's (XLayout) rows, [*, K]
   void* out;                // [n_slots, N], already holds base_out
   void* xa;                 // [n_slots, R] scratch (activation dtype)

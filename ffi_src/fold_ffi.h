@@ -17,17 +17,26 @@ struct Dims {
   int64_t K, N, R, P;
 };
 
+// Whether x's dtype suits a fold in dtype dt: the same, or (narrow_x, the
+// gather fold) bf16 or f16 x with f32 pools, read widened (exactly).
+inline bool x_dtype_ok(ffi::DataType x, ffi::DataType dt, bool narrow_x) {
+  return x == dt || (narrow_x && dt == ffi::DataType::F32 &&
+                     (x == ffi::DataType::BF16 || x == ffi::DataType::F16));
+}
+
 // The route's checks against activations x [M, K] and outputs of n_out
-// columns in dtype dt.
+// columns in dtype dt (x in dt, or narrower where narrow_x: x_dtype_ok).
 inline ffi::Error check_route_for(ffi::AnyBuffer x, int64_t n_out, ffi::DataType dt,
                                   ffi::AnyBuffer a_pool, ffi::AnyBuffer b_pool,
                                   ffi::Buffer<ffi::S32> a_table, ffi::Buffer<ffi::S32> b_table,
-                                  ffi::Buffer<ffi::F32> scale_table, Dims* d, RouteView* route) {
+                                  ffi::Buffer<ffi::F32> scale_table, Dims* d, RouteView* route,
+                                  bool narrow_x = false) {
   auto xd = x.dimensions();
   auto ad = a_pool.dimensions(), pd = b_pool.dimensions(), td = a_table.dimensions();
   if (xd.size() != 2 || ad.size() != 3 || pd.size() != 3 || td.size() != 2)
     return ffi::Error::InvalidArgument("moe_lora fold: operand ranks are wrong");
-  if (x.element_type() != dt || a_pool.element_type() != dt || b_pool.element_type() != dt)
+  if (!x_dtype_ok(x.element_type(), dt, narrow_x) || a_pool.element_type() != dt ||
+      b_pool.element_type() != dt)
     return ffi::Error::InvalidArgument("moe_lora fold: x, base_out and pools differ in dtype");
   d->P = ad[0]; d->R = ad[1]; d->K = ad[2]; d->N = pd[1];
   if (xd[1] != d->K || n_out != d->N || pd[0] != d->P || pd[2] != d->R || d->R > kMaxRank)
@@ -44,11 +53,11 @@ inline ffi::Error check_route_for(ffi::AnyBuffer x, int64_t n_out, ffi::DataType
 inline ffi::Error check_route(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuffer a_pool,
                        ffi::AnyBuffer b_pool, ffi::Buffer<ffi::S32> a_table,
                        ffi::Buffer<ffi::S32> b_table, ffi::Buffer<ffi::F32> scale_table,
-                       Dims* d, RouteView* route) {
+                       Dims* d, RouteView* route, bool narrow_x = false) {
   if (base.dimensions().size() != 2)
     return ffi::Error::InvalidArgument("moe_lora fold: operand ranks are wrong");
   return check_route_for(x, base.dimensions()[1], base.element_type(), a_pool, b_pool, a_table,
-                         b_table, scale_table, d, route);
+                         b_table, scale_table, d, route, narrow_x);
 }
 
 // Every check of a moe_lora_gather_bgmv call; fills the dims, the route and
@@ -67,7 +76,8 @@ inline ffi::Error check_gather(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBu
                                int64_t has_row_adapter, int64_t dense_tokens,
                                int64_t dense_experts, Dims* d, RouteView* route,
                                int64_t* n_slots_out) {
-  if (auto e = check_route(x, base, a_pool, b_pool, a_table, b_table, scale_table, d, route);
+  if (auto e = check_route(x, base, a_pool, b_pool, a_table, b_table, scale_table, d, route,
+                           /*narrow_x=*/true);
       e.failure())
     return e;
   const int64_t n_slots = int64_t(indices.element_count());

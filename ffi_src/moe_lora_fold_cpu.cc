@@ -70,25 +70,27 @@ struct F32 {
 
 // ---- one folded row ------------------------------------------------------
 
-// fp32 dot product of two length-n rows with 8 independent partial sums (the
-// summation order differs from a serial loop; docs/semantics.md §6 allows that).
-template <class C>
-inline float dot(const typename C::T* a, const typename C::T* b, int64_t n) {
+// fp32 dot product of two length-n rows (a in CA's dtype, b in CB's) with 8
+// independent partial sums (the summation order differs from a serial loop;
+// docs/semantics.md §6 allows that).
+template <class CA, class CB = CA>
+inline float dot(const typename CA::T* a, const typename CB::T* b, int64_t n) {
   constexpr int kLanes = 8;
   float acc[kLanes] = {};
   int64_t k = 0;
   for (; k + kLanes <= n; k += kLanes)
-    for (int u = 0; u < kLanes; ++u) acc[u] += C::to_f(a[k + u]) * C::to_f(b[k + u]);
+    for (int u = 0; u < kLanes; ++u) acc[u] += CA::to_f(a[k + u]) * CB::to_f(b[k + u]);
   float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; k < n; ++k) s += C::to_f(a[k]) * C::to_f(b[k]);
+  for (; k < n; ++k) s += CA::to_f(a[k]) * CB::to_f(b[k]);
   return s;
 }
 
-template <class C>
-void fold_row(const typename C::T* xrow, const typename C::T* A, const typename C::T* B,
+// One row: x in CX's dtype (C's, or bf16/f16 widened exactly under f32 pools).
+template <class C, class CX = C>
+void fold_row(const typename CX::T* xrow, const typename C::T* A, const typename C::T* B,
               int64_t K, int64_t R, int64_t N, float scale, typename C::T* xa,
               typename C::T* out_row) {
-  for (int64_t j = 0; j < R; ++j) xa[j] = C::from_f(dot<C>(xrow, A + j * K, K));
+  for (int64_t j = 0; j < R; ++j) xa[j] = C::from_f(dot<CX, C>(xrow, A + j * K, K));
   for (int64_t n = 0; n < N; ++n) {
     const float delta = C::to_f(C::from_f(dot<C>(xa, B + n * R, R)));
     const float scaled = scale * delta;
@@ -103,17 +105,19 @@ inline void copy_unaliased(ffi::AnyBuffer base, void* out) {
 
 // The typed pointers of one fold, with base_out copied into out first when
 // XLA did not alias them; fold(row, x_row, out_row, pair) folds one row
-// (into out2's row with buffer 1: a gather fold's second base).
-template <class C>
+// (into out2's row with buffer 1: a gather fold's second base). x in CX's
+// dtype.
+template <class C, class CX = C>
 struct FoldBuffers {
   using T = typename C::T;
-  const T *x, *a_pool, *b_pool;
+  const typename CX::T* x;
+  const T *a_pool, *b_pool;
   T *out, *xa, *out2 = nullptr;
   Dims d;
 
   FoldBuffers(ffi::AnyBuffer xb, ffi::AnyBuffer base, ffi::AnyBuffer ab, ffi::AnyBuffer bb,
               ffi::Result<ffi::AnyBuffer> ob, ffi::Result<ffi::AnyBuffer> xab, const Dims& dims)
-      : x(static_cast<const T*>(xb.untyped_data())),
+      : x(static_cast<const typename CX::T*>(xb.untyped_data())),
         a_pool(static_cast<const T*>(ab.untyped_data())),
         b_pool(static_cast<const T*>(bb.untyped_data())),
         out(static_cast<T*>(ob->untyped_data())),
@@ -124,20 +128,20 @@ struct FoldBuffers {
 
   // Row `row` (its xa row) folds x row `x_row` into out row `out_row`.
   void fold(int64_t row, int64_t x_row, int64_t out_row, const Pair& p, int buffer = 0) const {
-    fold_row<C>(x + x_row * d.K, a_pool + int64_t(p.a) * d.R * d.K,
+    fold_row<C, CX>(x + x_row * d.K, a_pool + int64_t(p.a) * d.R * d.K,
                 b_pool + int64_t(p.b) * d.N * d.R, d.K, d.R, d.N, p.scale, xa + row * d.R,
                 (buffer ? out2 : out) + out_row * d.N);
   }
 };
 
-template <class C>
+template <class C, class CX>
 void gather_impl(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuffer base2, int64_t n_slots,
                  const int32_t* indices, const int32_t* row_adapter, bool has_ra,
                  ffi::AnyBuffer a_pool, ffi::AnyBuffer b_pool, const RouteView& route,
                  const Dims& d, int64_t top_k, int64_t x_gather, int64_t dense_tokens,
                  int64_t dense_experts, ffi::Result<ffi::AnyBuffer> out,
                  ffi::Result<ffi::AnyBuffer> out2, ffi::Result<ffi::AnyBuffer> xa) {
-  FoldBuffers<C> buf(x, base, a_pool, b_pool, out, xa, d);
+  FoldBuffers<C, CX> buf(x, base, a_pool, b_pool, out, xa, d);
   if (gather_uses_out2(route.n_experts, dense_tokens, dense_experts)) {
     buf.out2 = static_cast<typename C::T*>(out2->untyped_data());
     copy_unaliased(base2, buf.out2);
@@ -181,6 +185,15 @@ void grouped_impl(ffi::AnyBuffer x, ffi::AnyBuffer base, const int32_t* offsets,
   }
 }
 
+template <class C>
+struct GroupedFn {
+  template <class... A> static void run(A&&... a) { grouped_impl<C>(a...); }
+};
+template <class C>
+struct GatherFn {
+  template <class... A> static void run(A&&... a) { gather_impl<C, C>(a...); }
+};
+
 template <template <class> class Fn, class... Args>
 ffi::Error dispatch(ffi::DataType dt, Args&&... args) {
   switch (dt) {
@@ -191,12 +204,20 @@ ffi::Error dispatch(ffi::DataType dt, Args&&... args) {
   }
 }
 
-template <class C> struct GatherFn {
-  template <class... A> static void run(A&&... a) { gather_impl<C>(a...); }
-};
-template <class C> struct GroupedFn {
-  template <class... A> static void run(A&&... a) { grouped_impl<C>(a...); }
-};
+// The gather fold in dtype dt with x in xdt (x_dtype_ok: dt, or bf16/f16
+// under f32 pools).
+template <class... Args>
+ffi::Error dispatch_gather(ffi::DataType dt, ffi::DataType xdt, Args&&... args) {
+  if (dt == ffi::DataType::F32 && xdt == ffi::DataType::BF16) {
+    gather_impl<F32, Bf16>(args...);
+    return ffi::Error::Success();
+  }
+  if (dt == ffi::DataType::F32 && xdt == ffi::DataType::F16) {
+    gather_impl<F32, F16>(args...);
+    return ffi::Error::Success();
+  }
+  return dispatch<GatherFn>(dt, args...);
+}
 
 ffi::Error GatherBgmvCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuffer base2,
                              ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> row_adapter,
@@ -221,9 +242,10 @@ ffi::Error GatherBgmvCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuff
   // kept rows are the first n_slots
   if (auto e = check_gather_xa(xa, base.element_type(), n_slots, d.R, keep_xa); e.failure())
     return e;
-  return dispatch<GatherFn>(base.element_type(), x, base, base2, n_slots, indices.typed_data(),
-                            row_adapter.typed_data(), has_row_adapter != 0, a_pool, b_pool, route,
-                            d, top_k, x_gather, dense_tokens, dense_experts, out, out2, xa);
+  return dispatch_gather(base.element_type(), x.element_type(), x, base, base2, n_slots,
+                         indices.typed_data(),
+                         row_adapter.typed_data(), has_row_adapter != 0, a_pool, b_pool, route,
+                         d, top_k, x_gather, dense_tokens, dense_experts, out, out2, xa);
 }
 
 ffi::Error GroupedDownCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base,

@@ -7,7 +7,8 @@
 // xa is the kept rows (GatherArgs::kept_xa) when the call keeps them, else
 // the scratch.
 // Rows are read unsorted; the expert comes from indices[row], the adapter
-// from row_adapter[row / top_k]; skip rules from fold_common.h.
+// from row_adapter[row / top_k]; skip rules from fold_common.h. Under f32
+// pools x may be bf16 or f16, widened as the shrink reads it.
 #include <algorithm>
 
 #include "cuda_common.cuh"
@@ -33,11 +34,13 @@ __device__ __forceinline__ bool gather_row(const GatherArgs& a, int64_t row, Gat
   return resolve_pair(a.route, adapter, out->expert, &out->pair);
 }
 
-template <DType D>
+// x in DX's dtype: D's, or bf16/f16 widened under f32 pools.
+template <DType D, DType DX>
 __global__ void __launch_bounds__(kGbgmvThreads)
     gather_shrink_simple(GatherArgs a, int64_t row_base) {
   using Tr = Traits<D>;
   using T = typename Tr::T;
+  using Tx = Traits<DX>;
   const int64_t row = row_base + blockIdx.y;
   GatherRow g;
   if (!gather_row(a, row, &g)) return;  // uniform over the block
@@ -45,10 +48,10 @@ __global__ void __launch_bounds__(kGbgmvThreads)
   const int64_t j = int64_t(blockIdx.x) * kGbgmvNPerBlock + threadIdx.x / kGbgmvThreadsPerOutput;
   float acc = 0.f;
   if (j < a.R) {
-    const T* x = a.x_row<T>(row, g.expert);
+    const typename Tx::T* x = a.x_row<typename Tx::T>(row, g.expert);
     const T* w = static_cast<const T*>(a.a_pool) + (int64_t(g.pair.a) * a.R + j) * a.K;
     for (int64_t k = lane; k < a.K; k += kGbgmvThreadsPerOutput)
-      acc += Tr::to_f(x[k]) * Tr::to_f(w[k]);
+      acc += Tx::to_f(x[k]) * Tr::to_f(w[k]);
   }
   const float s = block_output_group_sum(acc);
   if (j < a.R && lane == 0) static_cast<T*>(a.xa_rows())[row * a.R + j] = Tr::from_f(s);
@@ -79,14 +82,14 @@ __global__ void __launch_bounds__(kGbgmvThreads)
   }
 }
 
-template <DType D>
+template <DType D, DType DX = D>
 cudaError_t launch_simple(const GatherArgs& a, cudaStream_t stream) {
   const unsigned shrink_x = unsigned((a.R + kGbgmvNPerBlock - 1) / kGbgmvNPerBlock);
   const unsigned expand_x = unsigned((a.N + kGbgmvNPerBlock - 1) / kGbgmvNPerBlock);
   // grid.y is capped at 65535 rows per launch; larger batches take several.
   for (int64_t base = 0; base < a.n_slots; base += kMaxGridY) {
     const unsigned rows = unsigned(std::min<int64_t>(kMaxGridY, a.n_slots - base));
-    gather_shrink_simple<D><<<dim3(shrink_x, rows, 1), kGbgmvThreads, 0, stream>>>(a, base);
+    gather_shrink_simple<D, DX><<<dim3(shrink_x, rows, 1), kGbgmvThreads, 0, stream>>>(a, base);
     gather_expand_simple<D><<<dim3(expand_x, rows, 1), kGbgmvThreads, 0, stream>>>(a, base);
   }
   return cudaPeekAtLastError();
@@ -119,7 +122,10 @@ ffi::Error GatherBgmvCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
   // keep_xa: the kept rows first, the kernels' scratch after them
   char* xa_data = static_cast<char*>(xa->untyped_data());
   const size_t kept_bytes = keep_xa ? xa->size_bytes() / 2 : 0;
+  DType x_dtype;
+  if (auto e = cuda_dtype(x.element_type(), &x_dtype); e.failure()) return e;
   GatherArgs args{dtype,
+                  x_dtype,
                   x.untyped_data(),
                   out->untyped_data(),
                   xa_data + kept_bytes,
@@ -152,7 +158,12 @@ cudaError_t launch_gather_simple(const GatherArgs& a, cudaStream_t stream) {
   switch (a.dtype) {
     case DType::kBf16: return launch_simple<DType::kBf16>(a, stream);
     case DType::kF16: return launch_simple<DType::kF16>(a, stream);
-    case DType::kF32: return launch_simple<DType::kF32>(a, stream);
+    case DType::kF32:
+      switch (a.x_dtype) {
+        case DType::kBf16: return launch_simple<DType::kF32, DType::kBf16>(a, stream);
+        case DType::kF16: return launch_simple<DType::kF32, DType::kF16>(a, stream);
+        case DType::kF32: return launch_simple<DType::kF32>(a, stream);
+      }
   }
   return cudaErrorInvalidValue;
 }

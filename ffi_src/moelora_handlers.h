@@ -42,7 +42,10 @@
 //   a value outside [0, M) folds nothing; the rows that fold must target
 //   distinct rows) or row r (has_out_rows = 0, M = te).
 //
-// x, base_out, pools and out share one dtype: bf16, f16 or f32. pdl = 1
+// x, base_out, pools and out share one dtype: bf16, f16 or f32; the gather
+// fold also takes bf16 or f16 x with f32 pools (and base_out, out, xa),
+// widened exactly as it is read: the bits of the same call on x in f32
+// (the router's fold over the activations). pdl = 1
 // lets a kernel that follows a plan or shrink kernel of the same call start
 // under programmatic dependent launch (jax_moelora/ops/launch.py); 0, an
 // ordinary launch. Same bits either way.

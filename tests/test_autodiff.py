@@ -184,6 +184,25 @@ def test_low_precision_grads_close_to_f32(impl, dtype):
         assert err <= 2e-2 * np.linalg.norm(np.asarray(ref, np.float64)), name
 
 
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_narrow_x_under_f32_pools_has_the_grads_of_x_widened(impl, x_dtype):
+    """The gather fold over bf16/f16 ``x`` with float32 pools differentiates
+    as the fold over ``x.astype(float32)``: the same cotangents bit for bit,
+    ``x``'s rounded to ``x``'s dtype."""
+    rng = np.random.default_rng(11)
+    case32 = make_case(rng, T=24, top_k=2, x_gather=1, K=32, N=32)
+    case = case32._replace(x=case32.x.astype(x_dtype))
+    w = _weights(rng, case)
+    fold = _gather(case, impl)
+    got = _grads(fold, case, w)
+    want = _grads(lambda x, b, r: fold(x.astype(F32), b, r), case, w)
+    assert got[0].dtype == x_dtype and float(jnp.abs(got[0].astype(F32)).max()) > 0
+    for g, ref in zip(got, want):
+        assert g.dtype == ref.dtype
+        np.testing.assert_array_equal(np.asarray(g.astype(F32)), np.asarray(ref.astype(F32)))
+
+
 # --- skip rules in the backward -------------------------------------------------------------
 
 @pytest.mark.parametrize("impl, mode", list(zip(IMPLS, MODES)))

@@ -450,6 +450,42 @@ def test_f32_short_gather_has_the_bits_of_a_longer_batch(rng, impl, rows):
     np.testing.assert_array_equal(bits(short), bits(out[:rows]))
 
 
+@pytest.mark.parametrize("op, tokens", [("gather", 40), ("gather", 1100), ("fold", 1100),
+                                        ("grouped", 48)])
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_f32_fold_reads_bf16_or_f16_x_with_the_bits_of_x_in_f32(rng, impl, x_dtype, op, tokens):
+    """Under float32 pools the folds take bf16 or f16 ``x`` (the router's fold
+    over the activations): every row gets the bits of the same fold over
+    ``x`` widened to float32, in short and long gather batches (on ``fast``
+    the one-CTA-a-row and the tiled kernels), through ``moe_lora_fold``'s
+    grouped path and in the grouped fold."""
+    shape = dict(dtype=jnp.float32, num_loras=4, k_in=256, n_out=136, ranks=(8, 16),
+                 max_rank=16)
+    if op == "grouped":
+        case = make_grouped_case(rng, x_gather=1, **shape)
+    else:
+        case = make_gather_case(rng, top_k=2, num_tokens=tokens, x_gather=1, op=op, **shape)
+    x = case.x.astype(x_dtype)
+    wide = x.astype(np.float32)
+    out = case.run(impl, x=x)
+    np.testing.assert_array_equal(bits(out), bits(case.run(impl, x=wide)))
+    _check(case, out, impl, ref=case.reference(x=wide))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_narrow_x_needs_f32_pools(rng, impl):
+    """bf16 ``x`` with f16 pools, or f32 ``x`` with bf16 pools, is refused
+    before any launch; f16 ``x`` under float32 pools is taken."""
+    case = make_gather_case(rng, dtype=jnp.float16, num_loras=1, x_gather=1)
+    with pytest.raises(TypeError, match="x dtype bfloat16 differs from base_out dtype float16 "
+                                        r"\(x may be bf16 or f16 only with float32 pools\)"):
+        case.run(impl, x=case.x.astype(jnp.bfloat16))
+    case = make_gather_case(rng, dtype=jnp.bfloat16, num_loras=1, x_gather=1)
+    with pytest.raises(TypeError, match="x dtype float32 differs from base_out dtype bfloat16"):
+        case.run(impl, x=case.x.astype(np.float32))
+
+
 @pytest.mark.parametrize("impl", CUDA_IMPLS)
 def test_cuda_graphs_on_and_off_give_the_same_bits(tmp_path, impl):
     """A jitted multi-layer program run with CUDA graphs (the default) and in a

@@ -16,6 +16,10 @@
 // The same device function serves both folds, so a row gets the same bits
 // from either. Larger ranks and unaligned shapes take a loop over the ranks.
 //
+// The gather fold's x may be bf16 or f16 (the router's fold over the
+// activations): each piece of 4 is one 8-byte load, widened exactly, so a row
+// gets the bits of its x in fp32.
+//
 // Long gather batches (the router's fold at prefill, kF32TiledMinRows rows
 // and more) take a tiled kernel: a CTA per kF32TileRows rows, whose rows of
 // one pair fold kF32Group at a time with the same per-row order, so the bits
@@ -47,6 +51,30 @@ __device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
   return fmaf(a.w, b.w, acc);
 }
 
+// x[k .. k + 3] in fp32: one 16-byte load of fp32, one 8-byte load of bf16
+// or f16 widened (exactly).
+__device__ __forceinline__ float4 load_x4(const float* x, int64_t k) {
+  return __ldg(reinterpret_cast<const float4*>(x + k));
+}
+__device__ __forceinline__ float4 load_x4(const __nv_bfloat16* x, int64_t k) {
+  const uint2 u = __ldg(reinterpret_cast<const uint2*>(x + k));  // element 0 in the low half
+  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
+                     __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
+}
+__device__ __forceinline__ float4 load_x4(const __half* x, int64_t k) {
+  const uint2 u = __ldg(reinterpret_cast<const uint2*>(x + k));
+  const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+  const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+__device__ __forceinline__ float load_x1(const float* x, int64_t k) { return __ldg(x + k); }
+__device__ __forceinline__ float load_x1(const __nv_bfloat16* x, int64_t k) {
+  return __bfloat162float(__ldg(x + k));
+}
+__device__ __forceinline__ float load_x1(const __half* x, int64_t k) {
+  return __half2float(__ldg(x + k));
+}
+
 // Column n's B row (R = 8 * RB floats) as 2 * RB 16-byte loads.
 template <int RB>
 __device__ __forceinline__ void load_b_row(float4* bv, const float* __restrict__ B, int64_t n) {
@@ -63,13 +91,13 @@ __device__ __forceinline__ void load_a_pass(float4 (&av)[P], const float* __rest
     av[j] = __ldg(reinterpret_cast<const float4*>(A + int64_t(p0 + j) * K + k));
 }
 
-// Fold one row: x [K], A [R, K], B [N, R] of its pair, output row orow,
-// columns [c0, c1). RB > 0: R == 8 * RB and 16-byte loads (K % 4 == 0,
-// aligned arrays); RB == 0: any R, element loads. kept: where the row's xa
-// is kept (a gather call's keep_xa, by the CTA of its first column chunk),
-// or null.
-template <int RB>
-__device__ void f32_fold_row(const float* __restrict__ x, const float* __restrict__ A,
+// Fold one row: x [K] (TX: float, or a gather fold's bf16 / f16), A [R, K],
+// B [N, R] of its pair, output row orow, columns [c0, c1). RB > 0: R == 8 *
+// RB and vector loads (K % 4 == 0, aligned arrays); RB == 0: any R, element
+// loads. kept: where the row's xa is kept (a gather call's keep_xa, by the
+// CTA of its first column chunk), or null.
+template <int RB, class TX = float>
+__device__ void f32_fold_row(const TX* __restrict__ x, const float* __restrict__ A,
                              const float* __restrict__ B, float scale, int64_t K, int R_, int64_t N,
                              float* orow, int64_t c0, int64_t c1, float* kept = nullptr) {
   constexpr bool kVec = RB > 0;
@@ -97,13 +125,13 @@ __device__ void f32_fold_row(const float* __restrict__ x, const float* __restric
       for (int64_t k = int64_t(tid) * 4; k < K; k += kF32Threads * 4) {
         float4 av[RP];
         load_a_pass<RP>(av, A, p0, K, k);
-        const float4 xv = __ldg(reinterpret_cast<const float4*>(x + k));
+        const float4 xv = load_x4(x, k);
 #pragma unroll
         for (int j = 0; j < RP; ++j) acc[j] = dot4(av[j], xv, acc[j]);
       }
     } else {
       for (int64_t k = tid; k < K; k += kF32Threads) {
-        const float xv = __ldg(x + k);
+        const float xv = load_x1(x, k);
 #pragma unroll
         for (int j = 0; j < RP; ++j)
           if (p0 + j < R) acc[j] = fmaf(__ldg(A + int64_t(p0 + j) * K + k), xv, acc[j]);
@@ -147,8 +175,8 @@ __device__ void f32_fold_row(const float* __restrict__ x, const float* __restric
 // its G = 1 case: compiled that way the one-CTA kernel got 62 registers
 // instead of 96 and ran up to 1.9 µs slower at decode sizes.) kept: each
 // row's kept xa, as for f32_fold_row.
-template <int RB, int G>
-__device__ void f32_fold_rows(const float* const* x, const float* __restrict__ A,
+template <int RB, int G, class TX>
+__device__ void f32_fold_rows(const TX* const* x, const float* __restrict__ A,
                               const float* __restrict__ B, float scale, int64_t K,
                               float* const* orow, float* const* kept, int nrows, int64_t c0,
                               int64_t c1) {
@@ -175,7 +203,7 @@ __device__ void f32_fold_rows(const float* const* x, const float* __restrict__ A
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         if (g < nrows) {
-          const float4 xv = __ldg(reinterpret_cast<const float4*>(x[g] + k));
+          const float4 xv = load_x4(x[g], k);
 #pragma unroll
           for (int j = 0; j < kRankPass; ++j) acc[g][j] = dot4(av[j], xv, acc[g][j]);
         }
@@ -216,7 +244,7 @@ __device__ void f32_fold_rows(const float* const* x, const float* __restrict__ A
   }
 }
 
-template <int RB>
+template <int RB, class TX>
 __global__ void __launch_bounds__(kF32Threads) gather_f32_kernel(const GatherArgs a) {
   const int64_t row = blockIdx.x;
   int l, e;
@@ -224,7 +252,7 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_kernel(const GatherArg
   Pair pair;
   if (!resolve_pair(a.route, l, e, &pair)) return;
   const int64_t c0 = int64_t(blockIdx.y) * kF32Cols, c1 = min(a.N, c0 + kF32Cols);
-  f32_fold_row<RB>(a.x_row<float>(row, e),
+  f32_fold_row<RB>(a.x_row<TX>(row, e),
                    static_cast<const float*>(a.a_pool) + int64_t(pair.a) * a.R * a.K,
                    static_cast<const float*>(a.b_pool) + int64_t(pair.b) * a.N * a.R,
                    pair.scale, a.K, int(a.R), a.N, a.out_row<float>(row, e), c0, c1,
@@ -236,13 +264,13 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_kernel(const GatherArg
 // the same pair fold kF32Group at a time, so each A and B load serves up to
 // kF32Group rows instead of one (the A block of a rank-16 router is 128 KB, so
 // one CTA a row streams T * 128 KB through L2). Bit for bit as gather_f32_kernel.
-template <int RB, int TR>
+template <int RB, int TR, class TX>
 __global__ void __launch_bounds__(kF32Threads) gather_f32_tiled_kernel(const GatherArgs a) {
   static_assert(TR <= 32 && TR <= kF32Threads, "a tile's rows fit one 32-bit mask");
   __shared__ Pair s_pair[TR];
   __shared__ int s_ok[TR];
   __shared__ float* s_orow[TR];
-  __shared__ const float* s_x[TR];
+  __shared__ const TX* s_x[TR];
   __shared__ float* s_kept[TR];
   const int tid = threadIdx.x;
   const int64_t r0 = int64_t(blockIdx.x) * TR;
@@ -255,7 +283,7 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_tiled_kernel(const Gat
     s_ok[tid] = ok;
     s_pair[tid] = pair;
     s_orow[tid] = ok ? a.out_row<float>(row, e) : nullptr;
-    s_x[tid] = ok ? a.x_row<float>(row, e) : nullptr;
+    s_x[tid] = ok ? a.x_row<TX>(row, e) : nullptr;
     s_kept[tid] = ok && blockIdx.y == 0 ? a.kept_row<float>(row) : nullptr;
   }
   __syncthreads();
@@ -266,7 +294,7 @@ __global__ void __launch_bounds__(kF32Threads) gather_f32_tiled_kernel(const Gat
   while (todo) {
     const int i = __ffs(todo) - 1;
     const Pair p = s_pair[i];
-    const float* xs[kF32Group];
+    const TX* xs[kF32Group];
     float *os[kF32Group], *ks[kF32Group];
     int n = 0;
     for (uint32_t m = todo; m && n < kF32Group; m &= m - 1) {
@@ -315,10 +343,13 @@ __global__ void __launch_bounds__(kF32Threads) grouped_f32_kernel(const GroupedA
                    c1);
 }
 
-// The rank template argument for these arrays: R / 8 when 16-byte loads of
-// x, A and B rows are possible and R <= kF32MaxRank, else 0 (element loads).
-int f32_rank_blocks(const void* x, const void* a_pool, const void* b_pool, int64_t K, int64_t R) {
-  const bool vec = K % 4 == 0 && aligned16(x) && aligned16(a_pool) && aligned16(b_pool);
+// The rank template argument for these arrays: R / 8 when vector loads of
+// 4 values of x (x_bytes each) and 16-byte loads of A and B rows are possible
+// and R <= kF32MaxRank, else 0 (element loads).
+int f32_rank_blocks(const void* x, int x_bytes, const void* a_pool, const void* b_pool, int64_t K,
+                    int64_t R) {
+  const bool x_ok = (reinterpret_cast<uintptr_t>(x) & uintptr_t(4 * x_bytes - 1)) == 0;
+  const bool vec = K % 4 == 0 && x_ok && aligned16(a_pool) && aligned16(b_pool);
   return vec && R % 8 == 0 && R <= kF32MaxRank ? int(R / 8) : 0;
 }
 
@@ -337,25 +368,35 @@ cudaError_t by_rank(int rb, Launch launch) {
   }
 }
 
-}  // namespace
-
-cudaError_t launch_gather_f32(const GatherArgs& a, cudaStream_t stream) {
+template <class TX>
+cudaError_t launch_gather_f32_x(const GatherArgs& a, cudaStream_t stream) {
   const unsigned col_chunks = unsigned((a.N + kF32Cols - 1) / kF32Cols);
-  const int rb = f32_rank_blocks(a.x, a.a_pool, a.b_pool, a.K, a.R);
+  const int rb = f32_rank_blocks(a.x, int(sizeof(TX)), a.a_pool, a.b_pool, a.K, a.R);
   if (rb > 0 && a.n_slots >= kF32TiledMinRows) {
     const dim3 grid(unsigned((a.n_slots + kF32TileRows - 1) / kF32TileRows), col_chunks, 1);
     return by_rank(rb, [&](auto r) {
       if constexpr (decltype(r)::value > 0)
-        gather_f32_tiled_kernel<decltype(r)::value, kF32TileRows>
+        gather_f32_tiled_kernel<decltype(r)::value, kF32TileRows, TX>
             <<<grid, kF32Threads, 0, stream>>>(a);
       return cudaPeekAtLastError();
     });
   }
   const dim3 grid(unsigned(a.n_slots), col_chunks, 1);
   return by_rank(rb, [&](auto r) {
-    gather_f32_kernel<decltype(r)::value><<<grid, kF32Threads, 0, stream>>>(a);
+    gather_f32_kernel<decltype(r)::value, TX><<<grid, kF32Threads, 0, stream>>>(a);
     return cudaPeekAtLastError();
   });
+}
+
+}  // namespace
+
+cudaError_t launch_gather_f32(const GatherArgs& a, cudaStream_t stream) {
+  switch (a.x_dtype) {
+    case DType::kBf16: return launch_gather_f32_x<__nv_bfloat16>(a, stream);
+    case DType::kF16: return launch_gather_f32_x<__half>(a, stream);
+    case DType::kF32: return launch_gather_f32_x<float>(a, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 cudaError_t launch_grouped_f32(const GroupedArgs& a, cudaStream_t stream) {
@@ -363,7 +404,7 @@ cudaError_t launch_grouped_f32(const GroupedArgs& a, cudaStream_t stream) {
   const int64_t hi = std::min<int64_t>(a.row_end, a.te);
   if (hi <= lo) return cudaSuccess;
   const dim3 grid(unsigned(hi - lo), unsigned((a.N + kF32Cols - 1) / kF32Cols), 1);
-  return by_rank(f32_rank_blocks(a.x, a.a_pool, a.b_pool, a.K, a.R), [&](auto rb) {
+  return by_rank(f32_rank_blocks(a.x, 4, a.a_pool, a.b_pool, a.K, a.R), [&](auto rb) {
     grouped_f32_kernel<decltype(rb)::value><<<grid, kF32Threads, 0, stream>>>(a, lo);
     return cudaPeekAtLastError();
   });

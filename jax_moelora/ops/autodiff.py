@@ -348,8 +348,11 @@ def gather_fold_vjp(op, cfg: GatherCfg, rows_cotangent=None, x_index=None):
         if x_index is not None:
             xi = x_index(indices)
         g_rows = g if rows_cotangent is None else rows_cotangent(g, indices)
-        dx, da, db, ds = fold_rows_vjp(x, route, g_rows, xi, cell, ok, impl=cfg.impl)
-        return dx, g, None, route_cotangent(route, da, db, ds), None
+        # a bf16/f16 x under f32 pools: the backward of x widened, then dx
+        # rounded to x's dtype (what x.astype(float32) would pass back)
+        dx, da, db, ds = fold_rows_vjp(x.astype(route.dtype), route, g_rows, xi, cell, ok,
+                                       impl=cfg.impl)
+        return dx.astype(x.dtype), g, None, route_cotangent(route, da, db, ds), None
 
     fold.defvjp(fwd, bwd)
     return fold

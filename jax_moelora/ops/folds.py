@@ -106,7 +106,13 @@ def _check_validate(fn: str, validate) -> bool:
     return bool(validate)
 
 
-def _check_common(fn: str, x, base_out, route) -> tuple[int, int]:
+_NARROW_X = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _check_common(fn: str, x, base_out, route, narrow_x: bool = False) -> tuple[int, int]:
+    """Shapes and dtypes shared by the folds: x in base_out's dtype, which is
+    the pools'; with ``narrow_x``, x may also be bf16 or f16 under float32
+    pools (read widened, which is exact)."""
     if not isinstance(route, MoeExpertRoute):
         raise TypeError(f"{fn}: route must be a MoeExpertRoute, got {type(route).__name__}")
     xs, bs = _shape("x", x), _shape("base_out", base_out)
@@ -121,8 +127,10 @@ def _check_common(fn: str, x, base_out, route) -> tuple[int, int]:
     dt = jnp.dtype(base_out.dtype)
     if dt != route.dtype:
         raise TypeError(f"{fn}: base_out dtype {dt} differs from the route's pools ({route.dtype})")
-    if jnp.dtype(x.dtype) != dt:
-        raise TypeError(f"{fn}: x dtype {jnp.dtype(x.dtype)} differs from base_out dtype {dt}")
+    xdt = jnp.dtype(x.dtype)
+    if xdt != dt and not (narrow_x and dt == jnp.float32 and xdt in _NARROW_X):
+        also = " (x may be bf16 or f16 only with float32 pools)" if narrow_x else ""
+        raise TypeError(f"{fn}: x dtype {xdt} differs from base_out dtype {dt}{also}")
     if bs[1] != route.n_out:
         raise ValueError(f"{fn}: base_out has {bs[1]} columns but the route's n_out is {route.n_out}")
     if xs[1] != route.k_in:
@@ -141,7 +149,9 @@ def moe_lora_gather_bgmv(x: jax.Array, base_out: jax.Array, indices: jax.Array,
     Args:
       x: ``[n_slots, k_in]`` (``x_gather=0``: row ``row`` is read) or
         ``[num_tokens, k_in]`` (``x_gather=1``: row ``row // top_k``), the
-        activation dtype (bf16, f16 or f32).
+        activation dtype (bf16, f16 or f32); with float32 pools also bf16
+        or f16, widened as it is read (the bits of ``x`` in float32: a
+        router's fold over the activations).
       base_out: ``[n_slots, n_out]``, flat token-major rows ``t * top_k + k``.
       indices: int32 (or uint32) ``[n_slots]``, the expert id of each row.
       route: the projection's ``MoeExpertRoute``, or a ``StackedRoute`` of
@@ -166,7 +176,7 @@ def moe_lora_gather_bgmv(x: jax.Array, base_out: jax.Array, indices: jax.Array,
         return fold_stacked(fn, lambda b, r: moe_lora_gather_bgmv(
             x, b, indices, r, row_adapter, top_k=top_k, x_gather=x_gather, impl=impl,
             validate=validate), base_out, route)
-    x_rows, n_slots = _check_common(fn, x, base_out, route)
+    x_rows, n_slots = _check_common(fn, x, base_out, route, narrow_x=True)
     x_gather = _check_x_gather(fn, x_gather)
     validate = _check_validate(fn, validate)
     if not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 1:
@@ -269,7 +279,9 @@ def moe_lora_grouped_down(x: jax.Array, base_out: jax.Array, expert_offsets: jax
 
     Args:
       x: ``[te, k_in]`` sorted (``x_gather=0``: row ``r`` read) or
-        ``[num_tokens, k_in]`` (``x_gather=1``: row ``sorted_token_ids[r]``).
+        ``[num_tokens, k_in]`` (``x_gather=1``: row ``sorted_token_ids[r]``),
+        in ``base_out``'s dtype, or bf16/f16 with float32 pools (widened
+        first).
       base_out: ``[te, n_out]`` in sorted order.
       expert_offsets: int32 ``[num_experts + 1]`` prefix sums, well formed
         when ``0 <= o[0] <= ... <= o[-1] <= te``: expert ``e`` owns sorted
@@ -322,7 +334,7 @@ def _grouped_down(x, base_out, expert_offsets, sorted_token_ids, route, row_adap
             x, b, expert_offsets, sorted_token_ids, r, row_adapter, row_offset=row_offset,
             row_end=row_end, x_gather=x_gather, impl=impl, validate=validate,
             out_rows=out_rows), base_out, route)
-    x_rows, m = _check_common(fn, x, base_out, route)
+    x_rows, m = _check_common(fn, x, base_out, route, narrow_x=True)
     x_gather = _check_x_gather(fn, x_gather)
     validate = _check_validate(fn, validate)
     (no,) = _int_array("expert_offsets", expert_offsets)
@@ -362,7 +374,9 @@ def _grouped_down(x, base_out, expert_offsets, sorted_token_ids, route, row_adap
                                         row_end=row_end)
     if row_offset == row_end:
         return base_out
-    return autodiff.grouped_down(x, base_out, expert_offsets, sorted_token_ids, route,
+    # The grouped kernels read x in the pools' dtype: widen a bf16/f16 x
+    # first (exact, so the gather fold's bits).
+    return autodiff.grouped_down(x.astype(base_out.dtype), base_out, expert_offsets, sorted_token_ids, route,
                                  row_adapter, out_rows, row_offset=row_offset, row_end=row_end,
                                  x_gather=x_gather, impl=impl)
 
@@ -518,7 +532,8 @@ def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route:
     """Fold a layer's rows, choosing the gather fold or sort-then-grouped by size.
 
     Args:
-      x: ``[T * top_k, k_in]`` (``x_gather=0``) or ``[T, k_in]`` (``x_gather=1``).
+      x: ``[T * top_k, k_in]`` (``x_gather=0``) or ``[T, k_in]`` (``x_gather=1``),
+        in ``base_out``'s dtype, or bf16/f16 with float32 pools.
       base_out: ``[T * top_k, n_out]`` in flat token-major row order.
       topk_ids: int32 ``[T, top_k]`` expert ids.
       route, row_adapter, impl, validate: as for ``moe_lora_gather_bgmv`` (a

@@ -92,7 +92,7 @@ def gather_bgmv_jnp(x, base_out, indices, route, row_adapter, *, top_k: int, x_g
     adapter = jnp.zeros_like(rows) if row_adapter is None else row_adapter[tok]
     a, b, s, ok = resolve_pairs(route, adapter, indices.astype(jnp.int32))
     xr = x if not x_gather else x[tok]
-    return apply_rows(xr, base_out, a, b, s, ok, route)
+    return apply_rows(xr.astype(base_out.dtype), base_out, a, b, s, ok, route)
 
 
 def grouped_rows(expert_offsets, sorted_token_ids, row_adapter, *, x_rows: int,
