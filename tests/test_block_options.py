@@ -202,6 +202,39 @@ def test_dtypes(dtype, router_dtype, rtol):
     _close(out, reference(block, x, ids), rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_router_fold_reads_the_activations_as_they_are(dtype):
+    """Under a float32 router the router's fold takes ``x`` in the activation
+    dtype (no float32 copy of ``x`` is made for it: the gather custom call's
+    ``x`` operand is ``[T, H]`` bf16/f16), and the routing has the bits of the
+    fold over ``x`` in float32."""
+    import re
+
+    from jax_moelora import moe_lora_gather_bgmv
+
+    block = _block(dtype=dtype, impl="cpu", max_loras=3)
+    x, ids = _inputs(9, 3)
+    xd, ids = jnp.asarray(x, dtype), jnp.asarray(ids)
+    routes = block.lora.routes()
+    route = jax.jit(lambda x, i: block.route(x, i, routes, "cpu"))
+
+    def wide(x, i):
+        xr = x.astype(jnp.float32)
+        logits = moe_lora_gather_bgmv(xr, block.router(xr), jnp.zeros((T,), jnp.int32),
+                                      routes.router, i, top_k=1, x_gather=0, impl="cpu")
+        return block.router.select(logits)
+
+    with _platform("cpu"):
+        hlo = route.lower(xd, ids).as_text()
+        calls = [ln for ln in hlo.splitlines()
+                 if re.search(rf"custom_call @{_ext.GATHER_BGMV_TARGET}\b", ln)]
+        got, want = route(xd, ids), jax.jit(wide)(xd, ids)
+    name = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "f16"}[jnp.dtype(dtype)]
+    assert len(calls) == 1 and f"(tensor<{T}x{H}x{name}>" in calls[0]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_leading_shape_is_kept():
     block = _block(impl="jnp", max_loras=3)
     x, ids = _inputs(8, 3)

@@ -249,11 +249,15 @@ class MoEBlock(nnx.Module):
 
         ``x [T, H]``; the router's delta is its one-entry route folded into
         the logits (gather fold, all-zero expert ids, ``top_k = 1``,
-        ``x_gather = 0``) before the family's choice."""
+        ``x_gather = 0``) before the family's choice. Under a float32 router
+        the fold reads bf16/f16 ``x`` as it is (widened in the fold, the bits
+        of ``x`` in float32), so ``x`` is never written out in float32."""
         xr = x.astype(self.router_dtype)
         logits = self.router(xr)
         if routes is not None:
-            logits = _fold_dense(xr, logits, routes.router, adapter_ids, impl)
+            narrow = self.router_dtype == jnp.float32 and jnp.dtype(x.dtype) in (
+                jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            logits = _fold_dense(x if narrow else xr, logits, routes.router, adapter_ids, impl)
         return self.router.select(logits)
 
     def _path(self, grouped: bool, option: ExpertPathOption | None = None) -> str:
