@@ -129,8 +129,8 @@ struct FoldBuffers {
   // Row `row` (its xa row) folds x row `x_row` into out row `out_row`.
   void fold(int64_t row, int64_t x_row, int64_t out_row, const Pair& p, int buffer = 0) const {
     fold_row<C, CX>(x + x_row * d.K, a_pool + int64_t(p.a) * d.R * d.K,
-                b_pool + int64_t(p.b) * d.N * d.R, d.K, d.R, d.N, p.scale, xa + row * d.R,
-                (buffer ? out2 : out) + out_row * d.N);
+                    b_pool + int64_t(p.b) * d.N * d.R, d.K, d.R, d.N, p.scale, xa + row * d.R,
+                    (buffer ? out2 : out) + out_row * d.N);
   }
 };
 
@@ -243,9 +243,9 @@ ffi::Error GatherBgmvCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base, ffi::AnyBuff
   if (auto e = check_gather_xa(xa, base.element_type(), n_slots, d.R, keep_xa); e.failure())
     return e;
   return dispatch_gather(base.element_type(), x.element_type(), x, base, base2, n_slots,
-                         indices.typed_data(),
-                         row_adapter.typed_data(), has_row_adapter != 0, a_pool, b_pool, route,
-                         d, top_k, x_gather, dense_tokens, dense_experts, out, out2, xa);
+                         indices.typed_data(), row_adapter.typed_data(), has_row_adapter != 0,
+                         a_pool, b_pool, route, d, top_k, x_gather, dense_tokens, dense_experts,
+                         out, out2, xa);
 }
 
 ffi::Error GroupedDownCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer base,

@@ -150,8 +150,8 @@ def moe_lora_gather_bgmv(x: jax.Array, base_out: jax.Array, indices: jax.Array,
       x: ``[n_slots, k_in]`` (``x_gather=0``: row ``row`` is read) or
         ``[num_tokens, k_in]`` (``x_gather=1``: row ``row // top_k``), the
         activation dtype (bf16, f16 or f32); with float32 pools also bf16
-        or f16, widened as it is read (the bits of ``x`` in float32: a
-        router's fold over the activations).
+        or f16, widened (exactly) as it is read: a router's fold over the
+        activations (docs/semantics.md §5).
       base_out: ``[n_slots, n_out]``, flat token-major rows ``t * top_k + k``.
       indices: int32 (or uint32) ``[n_slots]``, the expert id of each row.
       route: the projection's ``MoeExpertRoute``, or a ``StackedRoute`` of
@@ -376,9 +376,10 @@ def _grouped_down(x, base_out, expert_offsets, sorted_token_ids, route, row_adap
         return base_out
     # The grouped kernels read x in the pools' dtype: widen a bf16/f16 x
     # first (exact, so the gather fold's bits).
-    return autodiff.grouped_down(x.astype(base_out.dtype), base_out, expert_offsets, sorted_token_ids, route,
-                                 row_adapter, out_rows, row_offset=row_offset, row_end=row_end,
-                                 x_gather=x_gather, impl=impl)
+    return autodiff.grouped_down(x.astype(base_out.dtype), base_out, expert_offsets,
+                                 sorted_token_ids, route, row_adapter, out_rows,
+                                 row_offset=row_offset, row_end=row_end, x_gather=x_gather,
+                                 impl=impl)
 
 
 def sort_rows_by_expert(topk_ids: jax.Array, n_experts: int,
