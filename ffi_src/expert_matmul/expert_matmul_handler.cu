@@ -54,10 +54,9 @@ ffi::Error ExpertMatmulCudaImpl(
     cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> offsets, ffi::AnyBuffer w0,
     ffi::AnyBuffer w1, ffi::Buffer<ffi::S32> sorted_token_ids, ffi::Buffer<ffi::S32> row_adapter,
     ffi::AnyBuffer lora_x, ffi::AnyBuffer a0, ffi::AnyBuffer b0, ffi::Buffer<ffi::S32> at0,
-    ffi::Buffer<ffi::S32> bt0,
-    ffi::Buffer<ffi::F32> st0, ffi::AnyBuffer a1, ffi::AnyBuffer b1, ffi::Buffer<ffi::S32> at1,
-    ffi::Buffer<ffi::S32> bt1, ffi::Buffer<ffi::F32> st1, ffi::Result<ffi::AnyBuffer> out,
-    ffi::Result<ffi::AnyBuffer> scratch,
+    ffi::Buffer<ffi::S32> bt0, ffi::Buffer<ffi::F32> st0, ffi::AnyBuffer a1, ffi::AnyBuffer b1,
+    ffi::Buffer<ffi::S32> at1, ffi::Buffer<ffi::S32> bt1, ffi::Buffer<ffi::F32> st1,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> scratch,
     ffi::Result<ffi::AnyBuffer> xa, int64_t num_weights, int64_t has_lora0, int64_t has_lora1,
     int64_t has_row_adapter, int64_t sm_count, int64_t pdl, int64_t schedule,
     int64_t lora_in_gemm, int64_t lora_x_gather) {

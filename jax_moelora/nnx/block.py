@@ -57,6 +57,7 @@ from jax_moelora.ops.folds import (
     gather_rows_limit,
     moe_lora_gather_bgmv,
     plan_rows,
+    reads_narrow_x,
 )
 from jax_moelora.tables import MoeExpertRoute
 
@@ -255,9 +256,8 @@ class MoEBlock(nnx.Module):
         xr = x.astype(self.router_dtype)
         logits = self.router(xr)
         if routes is not None:
-            narrow = self.router_dtype == jnp.float32 and jnp.dtype(x.dtype) in (
-                jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            logits = _fold_dense(x if narrow else xr, logits, routes.router, adapter_ids, impl)
+            xf = x if reads_narrow_x(x.dtype, self.router_dtype) else xr
+            logits = _fold_dense(xf, logits, routes.router, adapter_ids, impl)
         return self.router.select(logits)
 
     def _path(self, grouped: bool, option: ExpertPathOption | None = None) -> str:

@@ -667,8 +667,8 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
     gather = gather_rows_limit(E, gather_max_rows) >= M
     impl = backend.check_impl(impl)  # "auto": decided at lowering
 
-    xs, stids, ra, xt = _sorted_rows(x, M, num_tokens, x_gather, sorted_token_ids, row_adapter,
-                                 has_lora)
+    xs, stids, ra, xt = _sorted_rows(x, M, num_tokens, x_gather, sorted_token_ids,
+                                     row_adapter, has_lora)
     offsets = expert_offsets(group_sizes, M)
     routes = tuple(None if r is None else jax.tree_util.tree_map(jnp.asarray, r) for r in routes)
     cfg = _Cfg(impl, ra is not None, launch.programmatic_launch_enabled(), gather,

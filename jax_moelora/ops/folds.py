@@ -106,13 +106,17 @@ def _check_validate(fn: str, validate) -> bool:
     return bool(validate)
 
 
-_NARROW_X = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+def reads_narrow_x(x_dtype, pool_dtype) -> bool:
+    """Whether the folds read ``x`` of ``x_dtype`` under pools of
+    ``pool_dtype`` as it is, narrower than the pools: bf16 or f16 ``x``
+    under float32 pools, widened (exactly) as it is read."""
+    return (jnp.dtype(pool_dtype) == jnp.float32
+            and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 
 def _check_common(fn: str, x, base_out, route, narrow_x: bool = False) -> tuple[int, int]:
     """Shapes and dtypes shared by the folds: x in base_out's dtype, which is
-    the pools'; with ``narrow_x``, x may also be bf16 or f16 under float32
-    pools (read widened, which is exact)."""
+    the pools'; with ``narrow_x``, also narrower (:func:`reads_narrow_x`)."""
     if not isinstance(route, MoeExpertRoute):
         raise TypeError(f"{fn}: route must be a MoeExpertRoute, got {type(route).__name__}")
     xs, bs = _shape("x", x), _shape("base_out", base_out)
@@ -128,7 +132,7 @@ def _check_common(fn: str, x, base_out, route, narrow_x: bool = False) -> tuple[
     if dt != route.dtype:
         raise TypeError(f"{fn}: base_out dtype {dt} differs from the route's pools ({route.dtype})")
     xdt = jnp.dtype(x.dtype)
-    if xdt != dt and not (narrow_x and dt == jnp.float32 and xdt in _NARROW_X):
+    if xdt != dt and not (narrow_x and reads_narrow_x(xdt, dt)):
         also = " (x may be bf16 or f16 only with float32 pools)" if narrow_x else ""
         raise TypeError(f"{fn}: x dtype {xdt} differs from base_out dtype {dt}{also}")
     if bs[1] != route.n_out:
