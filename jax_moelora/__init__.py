@@ -15,10 +15,12 @@ from jax_moelora.geometry import (
     padded_rank,
 )
 from jax_moelora.ops import (
+    LoraInGemmPack,
     expert_matmul,
     moe_lora_fold,
     moe_lora_gather_bgmv,
     moe_lora_grouped_down,
+    pack_lora_in_gemm,
     sort_rows_by_expert,
 )
 from jax_moelora.ops.stacked import StackedRoute, stack_routes
@@ -54,6 +56,7 @@ from jax_moelora.tables import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "LoraInGemmPack",
     "StackedRoute",
     "stack_routes",
     "ExpertTables",
@@ -86,6 +89,7 @@ __all__ = [
     "moe_lora_fold_tensor_parallel",
     "moe_lora_gather_bgmv",
     "moe_lora_grouped_down",
+    "pack_lora_in_gemm",
     "padded_rank",
     "shard_expert_parallel",
     "shard_tensor_parallel",

@@ -118,7 +118,7 @@ class Case:
 
     def run(self, impl: str, *, lora: bool = True, glu: bool = False, stacked: bool = False,
             jit: bool = True, gather_max_rows: int | None = None, schedule: str = "auto",
-            lora_in_gemm: bool | None = False):
+            lora_in_gemm: bool | None = False, packs: bool = False):
         with on_platform(impl):
             pair = len(self.ws) == 2
             w = tuple(to_device(self.ws)) if pair else to_device(self.ws[0])
@@ -127,11 +127,16 @@ class Case:
             args = to_device((self.x, self.group_sizes, self.sorted_token_ids, self.row_adapter))
 
             def f(x, w, gs, stids, ra, lo):
+                lp = None  # packs: each route's pack_lora_in_gemm, passed as lora_packs
+                if packs:
+                    lp = jax.tree.map(lambda r: None if r is None else ml.pack_lora_in_gemm(r),
+                                      lo, is_leaf=lambda r: r is None or
+                                      isinstance(r, ml.MoeExpertRoute))
                 return ml.expert_matmul(x, w, gs, lora=lo, row_adapter=ra,
                                         sorted_token_ids=stids, x_gather=self.x_gather,
                                         glu=glu, stacked=stacked, impl=impl,
                                         gather_max_rows=gather_max_rows, schedule=schedule,
-                                        lora_in_gemm=lora_in_gemm)
+                                        lora_in_gemm=lora_in_gemm, lora_packs=lp)
 
             f = jax.jit(f) if jit else f
             out = f(args[0], w, args[1], args[2], args[3], lo)

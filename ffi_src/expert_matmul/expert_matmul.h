@@ -7,13 +7,17 @@
 //             lora_x [num_tokens, K] (read with lora_x_gather, else any array),
 //             then two routes, five arrays each (a_pool [P, R, K], b_pool [P, N, R],
 //             a_table int32 [L, E_t], b_table int32 [L, E_t], scale_table f32 [L, E_t]);
-//             an absent route is any arrays of the right dtypes (not read).
+//             an absent route is any arrays of the right dtypes (not read);
+//             then per route its packs (read with lora_packed): b_ext
+//             [n_experts, L * R, N] in x's dtype and marks int32
+//             [L * n_experts + 1] (lora_ext.cu's layout, made by
+//             pack_lora_in_gemm), any arrays of the right dtypes otherwise.
 //   results:  out [num_weights, M, N] (weight set i's output is plane i: gate
 //             and up land stacked, the layout the stacked fold reads),
 //             scratch u8 [expert_matmul_scratch_bytes(num_weights * E, sm_count)]
-//             (with lora_in_gemm, then per route with LoRA its packed B,
-//             [min(n_experts, E), L * R, N], each from a multiple of
-//             kExpertMatmulScratchAlign),
+//             (with lora_in_gemm and without lora_packed, then per route
+//             with LoRA its packed B, [min(n_experts, E), L * R, N], and its
+//             marks, each from a multiple of kExpertMatmulScratchAlign),
 //             xa [M, R] (the fold's scratch; R the larger route rank, or 1), or
 //             with lora_in_gemm [num_weights, M, X], X >= every route's L * R:
 //             weight set i's plane holds, in rows L * R wide from its start,
@@ -24,6 +28,8 @@
 //             schedule (ExpertMatmulSchedule: the CUTLASS kernel schedule),
 //             lora_in_gemm (1: the fold inside the GEMM's K loop, lora_ext.cu
 //             and lora_k_mainloop.cuh; 0: the grouped fold after the GEMM),
+//             lora_packed (1, with lora_in_gemm: every route's packed B
+//             and marks are the operands, not made in the call),
 //             lora_x_gather (1: the folds' shrinks read row r of x as
 //             lora_x[sorted_token_ids[r]], which the caller guarantees holds
 //             the same values, so that top_k rows share one token row in L2).
@@ -90,12 +96,13 @@ extern const ExpertGemmKernel kExpertGemmBf16CooperativeLora, kExpertGemmBf16Pin
     kExpertGemmF16CooperativeLora, kExpertGemmF16PingpongLora;
 
 // The *Lora kernels' second operand pair for one weight set and its route
-// (lora_ext.cu). pack_lora_ext, for n_sets weight sets at once (folds[s],
-// b_ext[s], marks[s]; one N, te and dtype), zeroes each fold.xa (xa_ext
-// [te, L * R]; fold.xa_ld = L * R and fold.xa_by_adapter) and `marks`
-// ([L * n_experts + 1] int32), then packs every b_ext [min(n_experts,
-// num_experts), L * R, N] in one launch, marking
-// the pairs whose packed B is not finite; shrink_lora_ext then runs the fast
+// (lora_ext.cu). clear_lora_ext zeroes fold.xa (xa_ext [te, L * R];
+// fold.xa_ld = L * R and fold.xa_by_adapter). pack_lora_ext, for n_sets
+// weight sets at once (folds[s], b_ext[s], marks[s]; one N, te and dtype),
+// zeroes `marks` ([L * n_experts + 1] int32), then packs every b_ext
+// [min(n_experts, num_experts), L * R, N] in one launch, marking
+// the pairs whose packed B is not finite (a caller holding packs made
+// beforehand skips it); shrink_lora_ext then runs the fast
 // grouped fold's shrink into xa_ext (and, with fold.xa2, a second route's
 // into its xa_ext in the same pass), leaving out the cells that
 // fold.skip_cells (the marks) mark. After the GEMM, fold_marked_rows folds
@@ -104,6 +111,7 @@ extern const ExpertGemmKernel kExpertGemmBf16CooperativeLora, kExpertGemmBf16Pin
 // marked). The caller checks fast::grouped_split_fits(fold).
 cudaError_t pack_lora_ext(const GroupedArgs* folds, void* const* b_ext, int32_t* const* marks,
                           int n_sets, cudaStream_t stream);
+cudaError_t clear_lora_ext(const GroupedArgs& fold, cudaStream_t stream);
 cudaError_t shrink_lora_ext(const GroupedArgs& fold, cudaStream_t stream);
 cudaError_t fold_marked_rows(const GroupedArgs& fold, cudaStream_t stream);
 

@@ -3,8 +3,9 @@
 // route, the fast grouped fold, in one of two places (the lora_in_gemm
 // attribute): after the GEMM, a second pass over its output; or inside the
 // GEMM's K loop (lora_k_mainloop.cuh), after a shrink and a pack of B
-// (lora_ext.cu), the output written once (but for the rows of pairs whose
-// packed B is not finite, which lora_ext.cu folds after the GEMM).
+// (lora_ext.cu; with the lora_packed attribute the packs are operands, made
+// once per adapter change), the output written once (but for the rows of
+// pairs whose packed B is not finite, which lora_ext.cu folds after the GEMM).
 #include <algorithm>
 #include <initializer_list>
 #include <string>
@@ -48,7 +49,19 @@ struct RouteBuffers {
   ffi::AnyBuffer a_pool, b_pool;
   ffi::Buffer<ffi::S32> a_table, b_table;
   ffi::Buffer<ffi::F32> scale_table;
+  ffi::AnyBuffer b_ext;          // the packs made beforehand (lora_packed)
+  ffi::Buffer<ffi::S32> marks;
 };
+
+// A route's packs made beforehand: b_ext [n_experts, L * R, N] in dtype dt,
+// marks [L * n_experts + 1] (lora_ext.cu's layout).
+bool packs_fit(const RouteBuffers& rb, const RouteView& route, int64_t R, int64_t N,
+               ffi::DataType dt) {
+  const auto bd = rb.b_ext.dimensions();
+  return bd.size() == 3 && bd[0] == route.n_experts && bd[1] == route.num_loras * R &&
+         bd[2] == N && rb.b_ext.element_type() == dt &&
+         int64_t(rb.marks.element_count()) == route.num_loras * route.n_experts + 1;
+}
 
 ffi::Error ExpertMatmulCudaImpl(
     cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> offsets, ffi::AnyBuffer w0,
@@ -56,10 +69,11 @@ ffi::Error ExpertMatmulCudaImpl(
     ffi::AnyBuffer lora_x, ffi::AnyBuffer a0, ffi::AnyBuffer b0, ffi::Buffer<ffi::S32> at0,
     ffi::Buffer<ffi::S32> bt0, ffi::Buffer<ffi::F32> st0, ffi::AnyBuffer a1, ffi::AnyBuffer b1,
     ffi::Buffer<ffi::S32> at1, ffi::Buffer<ffi::S32> bt1, ffi::Buffer<ffi::F32> st1,
+    ffi::AnyBuffer pb0, ffi::Buffer<ffi::S32> pm0, ffi::AnyBuffer pb1, ffi::Buffer<ffi::S32> pm1,
     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> scratch,
     ffi::Result<ffi::AnyBuffer> xa, int64_t num_weights, int64_t has_lora0, int64_t has_lora1,
     int64_t has_row_adapter, int64_t sm_count, int64_t pdl, int64_t schedule,
-    int64_t lora_in_gemm, int64_t lora_x_gather) {
+    int64_t lora_in_gemm, int64_t lora_packed, int64_t lora_x_gather) {
   const auto xd = x.dimensions(), wd = w0.dimensions();
   if (xd.size() != 2 || wd.size() != 3) return invalid("x must be [M, K] and w [E, K, N]");
   const int64_t M = xd[0], K = xd[1], E = wd[0], N = wd[2];
@@ -101,12 +115,14 @@ ffi::Error ExpertMatmulCudaImpl(
   const ExpertGemmKernel* kernel = gemm_kernel(dtype, schedule, in_gemm);
   if (kernel == nullptr) return invalid("schedule");
   const int64_t groups = num_weights * E;
-  // The GEMM's scratch (sized for every kernel), then the packed B and the
-  // marks of each weight set folded inside the GEMM (lora_ext_scratch_bytes).
+  const bool packed = in_gemm && lora_packed != 0;
+  // The GEMM's scratch (sized for every kernel), then, unless they are
+  // operands, the packed B and the marks of each weight set folded inside
+  // the GEMM (lora_ext_scratch_bytes).
   int64_t need = expert_matmul_scratch_bytes(groups, sm_count);
 
   // Routes are checked before anything is launched.
-  RouteBuffers rb[] = {{a0, b0, at0, bt0, st0}, {a1, b1, at1, bt1, st1}};
+  RouteBuffers rb[] = {{a0, b0, at0, bt0, st0, pb0, pm0}, {a1, b1, at1, bt1, st1, pb1, pm1}};
   const bool has_lora[] = {has_lora0 != 0, has_lora1 != 0};
   RouteView routes[kExpertMatmulMaxWeights];
   Dims dims[kExpertMatmulMaxWeights];
@@ -144,6 +160,12 @@ ffi::Error ExpertMatmulCudaImpl(
       return invalid("xa scratch shape: [num_weights, M, >= L * R] with lora_in_gemm");
     if (!fast::grouped_split_fits(fold_args(i, xa_plane(i))))
       return invalid("lora_in_gemm: the route's shapes do not fit the shrink");
+    if (packed) {
+      if (!packs_fit(rb[i], routes[i], dims[i].R, N, dt))
+        return invalid("lora_packed: a route's packs must be b_ext [n_experts, L * R, N] in x's "
+                       "dtype and marks int32 [L * n_experts + 1]");
+      continue;
+    }
     const int64_t L = routes[i].num_loras, Et = routes[i].n_experts;
     b_ext_at[i] = need;
     marks_at[i] = need + lora_ext_packed_b_bytes(L, Et, E, dims[i].R, N);
@@ -167,12 +189,16 @@ ffi::Error ExpertMatmulCudaImpl(
     if (!has_lora[i]) continue;
     GroupedArgs& f = folds[i] = fold_args(i, xa_plane(i));
     char* const base = static_cast<char*>(scratch->untyped_data());
-    void* b_ext = base + b_ext_at[i];
-    int32_t* marks = reinterpret_cast<int32_t*>(base + marks_at[i]);
+    void* b_ext = packed ? rb[i].b_ext.untyped_data() : base + b_ext_at[i];
+    int32_t* marks =
+        packed ? rb[i].marks.typed_data() : reinterpret_cast<int32_t*>(base + marks_at[i]);
     f.skip_cells = marks;
-    packs[n_packs] = f;
-    pack_b[n_packs] = b_ext;
-    pack_marks[n_packs++] = marks;
+    if (!packed) {
+      packs[n_packs] = f;
+      pack_b[n_packs] = b_ext;
+      pack_marks[n_packs++] = marks;
+    }
+    if (err == cudaSuccess) err = clear_lora_ext(f, stream);
     g.xa_ext[i] = f.xa;
     g.b_ext[i] = b_ext;
     g.ext_k[i] = f.xa_ld;
@@ -190,7 +216,8 @@ ffi::Error ExpertMatmulCudaImpl(
       shrinks[n_shrinks++] = f;
     }
   }
-  if (n_packs > 0) err = pack_lora_ext(packs, pack_b, pack_marks, n_packs, stream);
+  if (n_packs > 0 && err == cudaSuccess)
+    err = pack_lora_ext(packs, pack_b, pack_marks, n_packs, stream);
   for (int64_t j = 0; j < n_shrinks && err == cudaSuccess; ++j)
     err = shrink_lora_ext(shrinks[j], stream);
   if (err == cudaSuccess) err = kernel->run(g, stream);
@@ -241,6 +268,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertMatmulCuda, moelora::ExpertMatmulCudaImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()       //          a_table
                                   .Arg<ffi::Buffer<ffi::S32>>()       //          b_table
                                   .Arg<ffi::Buffer<ffi::F32>>()       //          scale_table
+                                  .Arg<ffi::AnyBuffer>()              // route 0's packs: b_ext
+                                  .Arg<ffi::Buffer<ffi::S32>>()       //                  marks
+                                  .Arg<ffi::AnyBuffer>()              // route 1's packs: b_ext
+                                  .Arg<ffi::Buffer<ffi::S32>>()       //                  marks
                                   .Ret<ffi::AnyBuffer>()              // out [num_weights, M, N]
                                   .Ret<ffi::AnyBuffer>()              // scratch u8
                                   .Ret<ffi::AnyBuffer>()              // xa [M, R] or [num_weights, M, L * R]
@@ -252,5 +283,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertMatmulCuda, moelora::ExpertMatmulCudaImpl,
                                   .Attr<int64_t>("pdl")
                                   .Attr<int64_t>("schedule")
                                   .Attr<int64_t>("lora_in_gemm")
+                                  .Attr<int64_t>("lora_packed")
                                   .Attr<int64_t>("lora_x_gather"),
                               {ffi::Traits::kCmdBufferCompatible});

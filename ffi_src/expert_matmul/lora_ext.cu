@@ -9,7 +9,10 @@
 //   b_ext [e_eff, ext_k, N]: expert e's rows l * R + r hold
 //     round(scale[l, e] * b_pool[b_table[l, e]][:, r]), the rows of pairs that
 //     resolve_pair rejects are zero. e_eff = min(n_experts, E); experts with
-//     no rows are not written (the GEMM has no tile to read them).
+//     no rows are not written (the GEMM has no tile to read them). A caller
+//     may pass b_ext and the marks packed beforehand (pack_lora_in_gemm in
+//     jax_moelora/ops/lora_pack.py: the same values, made once per adapter
+//     change); then only xa_ext is cleared and made here.
 //
 // So row r of expert e gains sum_k xa_ext[r, k] b_ext[e, k, :] =
 // round(x A^T) . round(scale B^T) of its own pair and zeros: the grouped
@@ -172,9 +175,6 @@ cudaError_t pack_lora_ext(const GroupedArgs* folds, void* const* b_ext, int32_t*
     if (f.xa_ld != ext_k || !f.xa_by_adapter || f.N != folds[0].N || f.te != folds[0].te ||
         f.dtype != folds[0].dtype)
       return cudaErrorInvalidValue;
-    if (cudaError_t err = cudaMemsetAsync(f.xa, 0, size_t(f.te * ext_k) * 2, stream);
-        err != cudaSuccess)
-      return err;
     if (cudaError_t err = cudaMemsetAsync(
             marks[s], 0, size_t(f.route.num_loras * f.route.n_experts + 1) * 4, stream);
         err != cudaSuccess)
@@ -195,6 +195,11 @@ cudaError_t pack_lora_ext(const GroupedArgs* folds, void* const* b_ext, int32_t*
   else
     pack_b_ext<DType::kF16><<<grid, kPackThreads, 0, stream>>>(sets, f.expert_offsets, f.N);
   return cudaPeekAtLastError();
+}
+
+cudaError_t clear_lora_ext(const GroupedArgs& f, cudaStream_t stream) {
+  if (f.xa_ld != f.route.num_loras * f.R || !f.xa_by_adapter) return cudaErrorInvalidValue;
+  return cudaMemsetAsync(f.xa, 0, size_t(f.te * f.xa_ld) * 2, stream);
 }
 
 cudaError_t shrink_lora_ext(const GroupedArgs& f, cudaStream_t stream) {

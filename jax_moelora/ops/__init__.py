@@ -1,6 +1,7 @@
 """MoE LoRA fold ops and the grouped expert GEMM: validation, backends and custom calls."""
 
 from jax_moelora.ops.expert_matmul import expert_matmul
+from jax_moelora.ops.lora_pack import LoraInGemmPack, pack_lora_in_gemm
 from jax_moelora.ops.folds import (
     GATHER_MAX_ROWS,
     GATHER_ROWS_PER_EXPERT,
@@ -24,6 +25,7 @@ __all__ = [
     "GATHER_MAX_ROWS",
     "GATHER_ROWS_PER_EXPERT",
     "IMPLS",
+    "LoraInGemmPack",
     "expert_matmul",
     "gather_rows_limit",
     "moe_lora_fold",
@@ -32,6 +34,7 @@ __all__ = [
     "moe_lora_fold_tensor_parallel",
     "moe_lora_gather_bgmv",
     "moe_lora_grouped_down",
+    "pack_lora_in_gemm",
     "resolve_impl",
     "shard_expert_parallel",
     "shard_tensor_parallel",

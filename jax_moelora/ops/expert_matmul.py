@@ -64,7 +64,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_moelora import _ext
 from jax_moelora.ops import (autodiff, backend, batching, expert_matmul_ffi, ffi_fold, grouped_vjp,
-                             jnp_fold, launch)
+                             jnp_fold, launch, lora_pack)
 from jax_moelora.ops import grouped_matmul as gm
 from jax_moelora.ops.folds import gather_rows_limit
 from jax_moelora.ops.jnp_fold import rounded
@@ -191,6 +191,35 @@ def _routes(lora, pair: bool, dtype, E: int, K: int, N: int) -> tuple[Any, ...]:
     return routes
 
 
+def _packs(lora_packs, routes: tuple, pair: bool) -> tuple | None:
+    """``lora_packs`` checked against the routes: per weight set its pack
+    (None where the route is None), or None when no packs are given."""
+    if lora_packs is None:
+        return None
+    if all(r is None for r in routes):
+        raise ValueError("expert_matmul: lora_packs is given without lora")
+    if pair:
+        if not isinstance(lora_packs, (tuple, list)) or isinstance(lora_packs,
+                                                                    lora_pack.LoraInGemmPack):
+            raise TypeError("expert_matmul: with a gate/up pair of weights, lora_packs must be a "
+                            "pair (pack_gate, pack_up), matching lora")
+        if len(lora_packs) != 2:
+            raise ValueError(f"expert_matmul: lora_packs must be (pack_gate, pack_up), got "
+                             f"{len(lora_packs)} entries")
+        packs = tuple(lora_packs)
+    else:
+        packs = (lora_packs,)
+    for i, (p, r) in enumerate(zip(packs, routes)):
+        name = "lora_packs" if not pair else ("lora_packs[0] (gate)", "lora_packs[1] (up)")[i]
+        if r is None:
+            if p is not None:
+                raise ValueError(f"expert_matmul: {name} is given for a weight set without "
+                                 f"a route")
+            continue
+        lora_pack.check_pack(p, r, name)
+    return packs
+
+
 # ---- forward backends ------------------------------------------------------------------------
 
 class _Cfg(NamedTuple):
@@ -280,18 +309,20 @@ def gemm_schedule(K: int) -> str:
     return "pingpong" if K <= PINGPONG_MAX_K else "cooperative"
 
 
-def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra, xt=None):
+def _forward(cfg: _Cfg, xs, ws, offsets, stids, routes, ra, xt=None, packs=None):
     """``[len(ws), M, N]``: weight set ``i``'s folded output is plane ``i``.
     ``xt``: the tokens ``xs`` was gathered from (``x_gather=1``) or None; the
-    custom call's shrinks read them there (same values, fewer bytes)."""
+    custom call's shrinks read them there (same values, fewer bytes).
+    ``packs``: the routes' packs made beforehand (:func:`_packs`) or None;
+    only the kernel folding inside its K loop reads them."""
     if cfg.impl == "auto":
-        return _per_platform(cfg, _forward, xs, ws, offsets, stids, routes, ra, xt)
+        return _per_platform(cfg, _forward, xs, ws, offsets, stids, routes, ra, xt, packs)
     ra = ra if cfg.has_ra else None
     kernel = cfg.impl == "fast" and backend.cutlass_takes(xs.dtype, ws[0].shape[1], ws[0].shape[2])
     gather = cfg.gather and any(r is not None for r in routes)
     if kernel and not gather:  # the GEMM and the grouped fold in one custom call
         return expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes, ra, cfg.pdl,
-                                                   cfg.schedule, cfg.lora_in_gemm, xt)[0]
+                                                   cfg.schedule, cfg.lora_in_gemm, xt, packs)[0]
     if kernel:
         bases = _gemm_alone(cfg, xs, ws, offsets, stids)
     else:
@@ -330,23 +361,23 @@ def _gemm_alone(cfg: _Cfg, xs, ws, offsets, stids) -> jax.Array:
                                                cfg.pdl, cfg.schedule)[0]
 
 
-def _forward_keeping_xa(cfg: _Cfg, shapes, xs, ws, offsets, stids, routes, ra, xt):
+def _forward_keeping_xa(cfg: _Cfg, shapes, xs, ws, offsets, stids, routes, ra, xt, packs):
     """``(the forward, xa)``: ``xa`` per weight set the kernels' rows' shrinks
     of ``shapes`` (:func:`_kept_xa_shapes`; zeros on the other platforms'
     branches, which never read them), None where ``shapes`` is None."""
     if shapes is None:
-        return _forward(cfg, xs, ws, offsets, stids, routes, ra, xt), None
+        return _forward(cfg, xs, ws, offsets, stids, routes, ra, xt, packs), None
     if cfg.impl == "auto":
         return _per_platform(cfg, lambda c, *a: _forward_keeping_xa(c, shapes, *a),
-                             xs, ws, offsets, stids, routes, ra, xt)
+                             xs, ws, offsets, stids, routes, ra, xt, packs)
     if cfg.impl != "fast":
-        return (_forward(cfg, xs, ws, offsets, stids, routes, ra, xt),
+        return (_forward(cfg, xs, ws, offsets, stids, routes, ra, xt, packs),
                 tuple(None if sh is None else jnp.zeros(sh, xs.dtype) for sh in shapes))
     ra = ra if cfg.has_ra else None
     if cfg.gather:
         return _gather_keeping_xa(cfg, xs, ws, offsets, stids, routes, ra)
     out, xa = expert_matmul_ffi.expert_matmul_ffi(xs, ws, offsets, stids, routes, ra, cfg.pdl,
-                                                  cfg.schedule, True, xt)
+                                                  cfg.schedule, True, xt, packs)
     # plane i starts with weight set i's [M, L * R] (its own row stride)
     return out, tuple(None if sh is None else xa[i].reshape(-1)[:sh[0] * sh[1]].reshape(sh)
                       for i, sh in enumerate(shapes))
@@ -461,7 +492,7 @@ def _bwd(cfg: _Cfg, args, gs, need_x: bool, need_w: bool, xa=None):
     else:
         dx, dws, droutes = _bwd_ragged(cfg, args, gs)
     return (dx if need_x else None, dws if need_w else None, None, None, tuple(droutes), None,
-            None)
+            None, None)
 
 
 def _is_primal(p) -> bool:
@@ -481,16 +512,19 @@ def _op(cfg: _Cfg):
     # xt: the tokens xs was gathered from, or None. It only says where the
     # custom call's shrinks may read xs's values (xs[r] == xt[stids[r]] for
     # every row that folds), so it gets no cotangent: x's flows through xs.
+    # packs: the routes' packed scale * B made beforehand, or None; values of
+    # the routes' pools and scales, whose cotangents carry the gradient, so
+    # the packs get none either.
     @jax.custom_vjp
-    def op(xs, ws, offsets, stids, routes, ra, xt):
-        return _forward(cfg, xs, ws, offsets, stids, routes, ra, xt)
+    def op(xs, ws, offsets, stids, routes, ra, xt, packs):
+        return _forward(cfg, xs, ws, offsets, stids, routes, ra, xt, packs)
 
-    def fwd(xs, ws, offsets, stids, routes, ra, xt):
+    def fwd(xs, ws, offsets, stids, routes, ra, xt, packs):
         args = _values((xs, ws, offsets, stids, routes, ra))
         # which operands are differentiated, kept as the residuals' (static) structure
         need = tuple(() if _perturbed(p) else None for p in (xs, ws))
         shapes = _kept_xa_shapes(cfg, args[0], args[1], args[4])
-        out, xa = _forward_keeping_xa(cfg, shapes, *args, _values(xt))
+        out, xa = _forward_keeping_xa(cfg, shapes, *args, _values(xt), _values(packs))
         return out, (args, need, xa)
 
     def bwd(res, gs):
@@ -608,7 +642,8 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
                   sorted_token_ids: jax.Array | None = None, x_gather: int = 0,
                   glu: bool = False, stacked: bool = False, impl: Impl = "auto",
                   gather_max_rows: int | None = None, schedule: Schedule = "auto",
-                  lora_in_gemm: bool | None = None):
+                  lora_in_gemm: bool | None = None,
+                  lora_packs: lora_pack.LoraInGemmPack | Sequence[Any] | None = None):
     """Grouped expert GEMM over expert-sorted rows, with the LoRA delta folded in.
 
     Weights use ``ragged_dot``'s layout ``[E, K, N]`` (``out = x @ w[e]``): a
@@ -651,6 +686,11 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
         accumulation, the output written once, module docstring) or after the
         GEMM (``False``); ``None``: :func:`lora_in_gemm_default`. Other
         backends and the gather fold ignore it.
+      lora_packs: ``pack_lora_in_gemm(route)`` of ``lora`` made beforehand
+        (a pair as ``lora``), or None: the kernel folding inside its K loop
+        reads them instead of packing ``scale * B`` in every call (the same
+        bits; made again after any change to the adapters, docs/expert_matmul.md,
+        "Packs made once"); elsewhere ignored. They get no cotangent.
 
     Returns:
       ``[M, N]`` in x's dtype; for a pair, ``(gate [M, N], up [M, N])``,
@@ -661,24 +701,39 @@ def expert_matmul(x: jax.Array, w: jax.Array | Sequence[jax.Array], group_sizes:
     E, K, N = ws[0].shape
     M, num_tokens = _rows(xshape, dtype, x_gather, ws[0].shape, group_sizes, sorted_token_ids)
     _check_options(pair, glu, stacked, impl, schedule, lora_in_gemm)
-    routes = _routes(lora, pair, dtype, E, K, N)
+    routes, packs = _lora_operands(lora, lora_packs, pair, dtype, E, K, N)
     has_lora = any(r is not None for r in routes)
     _check_row_adapter(row_adapter, num_tokens, x_gather or sorted_token_ids is None)
     gather = gather_rows_limit(E, gather_max_rows) >= M
     impl = backend.check_impl(impl)  # "auto": decided at lowering
-
     xs, stids, ra, xt = _sorted_rows(x, M, num_tokens, x_gather, sorted_token_ids,
                                      row_adapter, has_lora)
     offsets = expert_offsets(group_sizes, M)
-    routes = tuple(None if r is None else jax.tree_util.tree_map(jnp.asarray, r) for r in routes)
     cfg = _Cfg(impl, ra is not None, launch.programmatic_launch_enabled(), gather,
                gemm_schedule(K) if schedule == "auto" else schedule,
                lora_in_gemm_default(K, routes) if lora_in_gemm is None else lora_in_gemm)
     ra_arg = ra if ra is not None else jnp.zeros((1,), jnp.int32)
-    out = _op(cfg)(xs, tuple(ws), offsets, stids, routes, ra_arg, xt)  # [len(ws), M, N]
+    out = _op(cfg)(xs, tuple(ws), offsets, stids, routes, ra_arg, xt, packs)  # [len(ws), M, N]
+    return _result(out, pair, glu, stacked)
+
+
+def _lora_operands(lora, lora_packs, pair: bool, dtype, E: int, K: int, N: int):
+    """``(routes, packs)`` checked (:func:`_routes`, :func:`_packs`), their
+    arrays as jax arrays."""
+    routes = _routes(lora, pair, dtype, E, K, N)
+    packs = _packs(lora_packs, routes, pair)
+    routes = tuple(None if r is None else jax.tree_util.tree_map(jnp.asarray, r) for r in routes)
+    if packs is not None:
+        packs = tuple(None if p is None else lora_pack.LoraInGemmPack(*map(jnp.asarray, p))
+                      for p in packs)
+    return routes, packs
+
+
+def _result(out, pair: bool, glu: bool, stacked: bool):
+    """``expert_matmul``'s result from the weight sets' outputs ``out [len(ws), M, N]``."""
     if not pair:
         return out[0]
     if glu:
         g, u = out[0].astype(_F32), out[1].astype(_F32)
-        return (jax.nn.silu(g) * u).astype(dtype)
+        return (jax.nn.silu(g) * u).astype(out.dtype)
     return out if stacked else (out[0], out[1])

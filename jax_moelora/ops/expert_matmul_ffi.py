@@ -43,6 +43,14 @@ def _route_operands(route: MoeExpertRoute | None, dtype) -> tuple:
     return (route.a_pool, route.b_pool, route.a_table, route.b_table, route.scale_table)
 
 
+def _pack_operands(pack, dtype) -> tuple:
+    """A route's packs made beforehand (``ops/lora_pack.py``), or operands
+    standing for none (never read)."""
+    if pack is None:
+        return jnp.zeros((1, 1, 1), dtype), jnp.zeros((1,), jnp.int32)
+    return pack.b_ext, pack.marks
+
+
 # expert_matmul's schedule names -> the custom call's `schedule` attribute
 _SCHEDULES = {"cooperative": _ext.EXPERT_MATMUL_COOPERATIVE,
               "pingpong": _ext.EXPERT_MATMUL_PINGPONG}
@@ -59,7 +67,7 @@ def lora_in_gemm_scratch(routes, E: int, N: int) -> int:
 
 
 def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter, pdl: bool, schedule: str,
-                      lora_in_gemm: bool = False, x_tokens=None):
+                      lora_in_gemm: bool = False, x_tokens=None, packs=None):
     """One custom call: the grouped GEMM of each weight set in ``ws`` (one or
     two ``[E, K, N]``) over ``xs [M, K]`` with the CUTLASS kernel of
     ``schedule`` (``"cooperative"`` or ``"pingpong"``), each output folded
@@ -73,7 +81,11 @@ def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter, pdl: bool, sc
 
     ``x_tokens [num_tokens, K]``, when given, holds the tokens ``xs`` was
     gathered from (``xs[r] == x_tokens[stids[r]]`` for every row that folds):
-    the folds' shrinks read it there, ``top_k`` rows sharing one token row."""
+    the folds' shrinks read it there, ``top_k`` rows sharing one token row.
+
+    ``packs``, when given with ``lora_in_gemm``, holds per weight set its
+    route's ``LoraInGemmPack`` (None for a weight set without a route): the
+    kernel reads them instead of packing ``B`` itself."""
     _ext.register()
     M, _ = xs.shape
     E, _, N = ws[0].shape
@@ -83,8 +95,10 @@ def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter, pdl: bool, sc
     scratch = int(_ext.ext.expert_matmul_scratch_bytes(nw * E, sm))
     live = [r for r in routes if r is not None]
     fuse = bool(lora_in_gemm and live)
+    packed = fuse and packs is not None
     if fuse:  # xa: each weight set's [M, L * R] plane (row stride its own L * R)
-        scratch += lora_in_gemm_scratch(routes, E, N)
+        if not packed:
+            scratch += lora_in_gemm_scratch(routes, E, N)
         xa_shape = (nw, M, max(r.max_loras * r.max_rank for r in live))
     else:  # xa: the fold's [M, R]
         xa_shape = (M if live else 1, max((r.max_rank for r in live), default=1))
@@ -95,13 +109,16 @@ def expert_matmul_ffi(xs, ws, offsets, stids, routes, row_adapter, pdl: bool, sc
     w1 = ws[1] if nw > 1 else ws[0]
     r0 = _route_operands(routes[0], dt)
     r1 = _route_operands(routes[1] if nw > 1 else None, dt)
+    p0 = _pack_operands(packs[0] if packed else None, dt)
+    p1 = _pack_operands(packs[1] if packed and nw > 1 else None, dt)
     call = jax.ffi.ffi_call(_ext.EXPERT_MATMUL_TARGET, out_types, vmap_method="sequential")
     lora_x = xs if x_tokens is None else x_tokens
     out, _scratch, xa = call(
-        xs, offsets, ws[0], w1, stids, ra, lora_x, *r0, *r1,
+        xs, offsets, ws[0], w1, stids, ra, lora_x, *r0, *r1, *p0, *p1,
         num_weights=np.int64(nw), has_lora0=np.int64(routes[0] is not None),
         has_lora1=np.int64(nw > 1 and routes[1] is not None),
         has_row_adapter=np.int64(row_adapter is not None), sm_count=np.int64(sm),
         pdl=np.int64(pdl), schedule=np.int64(_SCHEDULES[schedule]), lora_in_gemm=np.int64(fuse),
+        lora_packed=np.int64(packed),
         lora_x_gather=np.int64(x_tokens is not None))
     return out, xa
