@@ -46,14 +46,16 @@ def test_bench_gemm_tiny_run(tmp_path):
 
 def test_bench_gemm_places_of_the_fold(tmp_path):
     """``gemm_lora_in`` and ``gemm_lora_after`` (the fold inside the GEMM or
-    after it) run only when named, fold like ``gemm_lora`` and are checked
-    against its reference (off the GPU both run the same fold)."""
+    after it) and ``gemm_lora_packed`` (inside, reading packs made once) run
+    only when named, fold like ``gemm_lora`` and are checked against its
+    reference (off the GPU all run the same fold)."""
+    methods = ["gemm_lora_in", "gemm_lora_after", "gemm_lora_packed"]
     rc = main(["bench", "--gemm", "--models", TINY, "--projs", "down", "--tokens", "8",
                "--reps", "2", "--runs", "1", "--warmup", "1",
-               "--methods", "gemm_lora_in,gemm_lora_after", "--out", str(tmp_path)])
+               "--methods", ",".join(methods), "--out", str(tmp_path)])
     assert rc == 0
     rows = json.loads((tmp_path / "gemm.json").read_text())["rows"]
-    assert [r["method"] for r in rows] == ["gemm_lora_in", "gemm_lora_after"]
+    assert [r["method"] for r in rows] == methods
     for r in rows:
         assert r["error"] is None and r["check"] == "ok" and r["adapters"] > 0, r
 

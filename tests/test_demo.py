@@ -98,17 +98,21 @@ def test_timing_with_every_batch_sorted(tmp_path, capsys):
 
 def test_prefill_timing_compares_the_grouped_gemms(tmp_path, capsys):
     """``--timing --prefill``: 520 tokens x top_k 4 = 2080 rows (the grouped
-    path), base and LoRA with ragged_dot and expert_matmul as the GEMM."""
+    path), base and LoRA with ragged_dot and expert_matmul as the GEMM, and
+    LoRA with expert_matmul reading packs made once (bf16)."""
     out = tmp_path / "prefill.json"
     assert run_demo("--timing", "--prefill", "--size", "small", "--layers", "1", "--tokens",
-                    "520", "--steps", "1", "--repeats", "1", "--json", str(out)) == 0
+                    "520", "--steps", "1", "--repeats", "1", "--dtype", "bfloat16", "--json",
+                    str(out)) == 0
     text = capsys.readouterr().out
     assert "prefill timing" in text and "vs ragged_dot" in text
     result = json.loads(out.read_text())
     assert result["mode"] == "prefill_timing" and result["tokens"] == 520
     assert result["rows"] == 2080 and result["grouped"] and not result["errors"]
-    assert {(r["expert_gemm"], r["lora"]) for r in result["results"].values()} == {
-        (g, lora) for g in ("ragged_dot", "expert_matmul") for lora in (False, True)}
+    assert result["dtype"] == "bfloat16"
+    assert {(r["expert_gemm"], r["lora"], r["packs"]) for r in result["results"].values()} == {
+        (g, lora, False) for g in ("ragged_dot", "expert_matmul") for lora in (False, True)
+    } | {("expert_matmul", True, True)}
     assert all(r["step_s"] > 0 for r in result["results"].values())
 
 

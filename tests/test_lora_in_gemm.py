@@ -426,3 +426,257 @@ def test_the_backward_reads_the_kept_xa(rng, poison, forward):
     if poison is not None:
         d_b = np.asarray(got[1], np.float64)[slot]
         assert np.isfinite(d_b).all() and np.abs(d_b).max() > 0
+
+
+# ------------------------------------------------------------------ packs made once
+
+def _packed_reference(route) -> tuple[np.ndarray, np.ndarray]:
+    """numpy ``(b_ext, marks)`` of the module docstring of ``ops/lora_pack.py``."""
+    L, E = np.asarray(route.a_table).shape
+    R, N = route.max_rank, route.n_out
+    dt = np.dtype(route.dtype)
+    b_pool = np.asarray(route.b_pool)
+    a_t, b_t = np.asarray(route.a_table), np.asarray(route.b_table)
+    scales = np.asarray(route.scale_table, np.float32)
+    P = b_pool.shape[0]
+    b_ext = np.zeros((E, L * R, N), dt)
+    marks = np.zeros(L * E + 1, np.int32)
+    for l in range(L):
+        for e in range(E):
+            a, b = a_t[l, e], b_t[l, e]
+            if not (0 < a < P and 0 < b < P):
+                continue
+            blk = (np.float32(scales[l, e]) * b_pool[b].astype(np.float32)).astype(dt).T
+            finite = np.isfinite(blk.astype(np.float32))
+            if not finite.all():
+                marks[l * E + e] = marks[-1] = 1
+            b_ext[e, l * R:(l + 1) * R] = np.where(finite, blk, 0)
+    return b_ext, marks
+
+
+@HALF
+def test_pack_holds_each_pairs_scaled_b(dtype):
+    """Expert ``e``'s rows ``l * R + r`` hold ``round(scale * B[:, r])`` of pair
+    ``(l, e)`` (fp32 product, one rounding), zeros for the pairs the skip
+    rules reject (unadapted cells); no marks when every value is finite."""
+    route = make_route(np.random.default_rng(1), dtype=dtype, num_loras=3, n_experts=5, k_in=64,
+                       n_out=40, ranks=(8, 16), max_rank=16)
+    pack = ml.pack_lora_in_gemm(route)
+    want_b, want_m = _packed_reference(route)
+    assert pack.b_ext.shape == (5, 48, 40) and pack.b_ext.dtype == dtype
+    np.testing.assert_array_equal(bits(np.asarray(pack.b_ext)), bits(want_b))
+    np.testing.assert_array_equal(np.asarray(pack.marks), want_m)
+    assert not want_m.any()
+    l, e = np.argwhere(np.asarray(route.b_table) == 0)[0]  # a cell no pair adapts
+    assert not np.asarray(pack.b_ext)[e, l * 16:(l + 1) * 16].any()
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf", "overflow"])
+def test_pack_marks_a_pair_that_is_not_finite(poison):
+    """A NaN or inf in a pair's B slot, or a scale taking ``scale * B`` past
+    f16's range: that pair's entry and the last entry of ``marks`` are 1 and
+    ``b_ext`` holds zero in place of each value that is not finite."""
+    route = make_route(np.random.default_rng(2), dtype=jnp.float16, num_loras=2, n_experts=4,
+                       k_in=64, n_out=24, ranks=(8,), max_rank=8)
+    l, e = np.argwhere(np.asarray(route.b_table) > 0)[0]
+    slot = int(np.asarray(route.b_table)[l, e])
+    if poison == "overflow":
+        scales = np.array(route.scale_table)
+        scales[l, e] = 1e9
+        route = route.replace(scale_table=scales)
+    else:
+        b_pool = np.array(route.b_pool)
+        b_pool[slot, 2, 1] = np.nan if poison == "nan" else np.inf
+        route = route.replace(b_pool=b_pool)
+    pack = ml.pack_lora_in_gemm(route)
+    want_b, want_m = _packed_reference(route)
+    marks = np.asarray(pack.marks)
+    np.testing.assert_array_equal(marks, want_m)
+    assert marks[l * 4 + e] == 1 and marks[-1] == 1
+    if (np.asarray(route.b_table) == slot).sum() == 1:
+        assert marks.sum() == 2
+    np.testing.assert_array_equal(bits(np.asarray(pack.b_ext)), bits(want_b))
+    assert np.isfinite(np.asarray(pack.b_ext, np.float32)).all()
+
+
+def test_pack_takes_half_pools_only():
+    route = make_route(np.random.default_rng(0), dtype=jnp.float32, num_loras=2, n_experts=4,
+                       k_in=64, n_out=32, ranks=(8,), max_rank=8)
+    with pytest.raises(TypeError, match="bf16 or f16"):
+        ml.pack_lora_in_gemm(route)
+    with pytest.raises(TypeError, match="MoeExpertRoute"):
+        ml.pack_lora_in_gemm((route.a_pool, route.b_pool))
+
+
+@pytest.mark.parametrize("impl", ["cpu", "jnp"])
+@pytest.mark.parametrize("pair", [False, True], ids=["single", "gate_up"])
+def test_other_backends_ignore_the_packs(rng, impl, pair):
+    """Only the CUDA kernel folding inside its K loop reads the packs: the CPU
+    and jnp backends give the same bits with and without them."""
+    case = make_case(rng, num_loras=4, pair=pair, K=64, ranks=(8,), max_rank=8)
+    for a, b in zip(_planes(case.run(impl, packs=True), pair), _planes(case.run(impl), pair)):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def _pack_call(case: Case, lora_packs):
+    lora = case.routes if len(case.ws) == 2 else case.routes[0]
+    w = case.ws if len(case.ws) == 2 else case.ws[0]
+    return ml.expert_matmul(case.x, w, case.group_sizes, lora=lora,
+                            row_adapter=case.row_adapter, sorted_token_ids=case.sorted_token_ids,
+                            impl="jnp", lora_packs=lora_packs)
+
+
+def test_packs_are_checked_against_their_routes(rng):
+    """Packs of another shape or dtype, a single pack for a pair (or the
+    reverse), a pack for a weight set without a route and packs without
+    ``lora`` are refused, naming ``lora_packs``."""
+    case = make_case(rng, num_loras=2, K=64, ranks=(8,), max_rank=8)
+    good = ml.pack_lora_in_gemm(case.routes[0])
+    with pytest.raises(ValueError, match=r"lora_packs\.b_ext is bfloat16 \[6, 16, 40\]"):
+        _pack_call(case, good._replace(b_ext=jnp.zeros((6, 16, 40), jnp.bfloat16)))
+    with pytest.raises(ValueError, match=r"lora_packs\.marks is int32"):
+        _pack_call(case, good._replace(marks=good.marks[:-1]))
+    with pytest.raises(TypeError, match="LoraInGemmPack"):
+        _pack_call(case, tuple(good))
+    with pytest.raises(TypeError, match=r"lora_packs\.b_ext must be an array"):
+        _pack_call(case, good._replace(b_ext=None))
+    pair = make_case(rng, num_loras=2, pair=True, K=64, ranks=(8,), max_rank=8)
+    gate = ml.pack_lora_in_gemm(pair.routes[0])
+    with pytest.raises(TypeError, match="pair"):
+        _pack_call(pair, gate)
+    with pytest.raises(ValueError, match="without a route"):
+        _pack_call(dataclasses.replace(pair, routes=(pair.routes[0], None)), (gate, gate))
+    with pytest.raises(ValueError, match="without lora"):
+        ml.expert_matmul(case.x, case.ws[0], case.group_sizes, impl="jnp", lora_packs=good)
+
+
+def test_packs_get_no_cotangent(rng):
+    """Gradients with packs passed (made inside the differentiated function
+    from the same route) equal those without: the pools' and scales'
+    cotangents carry them."""
+    case = make_case(rng, num_loras=2, K=64, ranks=(8,), max_rank=8, poison=False)
+    route = jax.tree.map(jnp.asarray, case.routes[0])
+    x, w, gs, ra = (jnp.asarray(v) for v in (case.x, case.ws[0], case.group_sizes,
+                                             case.row_adapter))
+
+    def loss(p, packed):
+        r = route.replace(b_pool=p[1], scale_table=p[2])
+        out = ml.expert_matmul(p[0], w, gs, lora=r, row_adapter=ra, impl="jnp",
+                               lora_packs=ml.pack_lora_in_gemm(r) if packed else None)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    p = (x, route.b_pool, route.scale_table)
+    for g, h in zip(jax.grad(loss)(p, True), jax.grad(loss)(p, False)):
+        np.testing.assert_array_equal(bits(np.asarray(g)), bits(np.asarray(h)))
+
+
+def _adapted_block(max_loras: int = 2):
+    """A bf16 ``MoEBlock`` (H 512, I 256, 8 experts, top 2) with ``max_loras``
+    adapters of rank 16 on every projection, one expert unadapted in each."""
+    from flax import nnx
+
+    from jax_moelora.nnx import MoEBlock
+
+    block = MoEBlock(512, 256, 8, 2, max_loras=max_loras, max_rank=16, dtype=jnp.bfloat16,
+                     gather_max_rows=0, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(4)
+    for slot in range(max_loras):
+        for name in ("router", "gate", "up", "down"):
+            proj = block.lora.projection(name)
+            e, k, n = proj.n_experts, proj.k_in, proj.n_out
+            proj.write_slot(slot, rng.normal(0, k**-0.5, (e, 16, k)),
+                            rng.normal(0, 0.05, (e, n, 16)), rng.uniform(0.5, 1.5, e),
+                            np.arange(e) != slot)
+    x = jnp.asarray(rng.normal(size=(96, 512)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(-1, max_loras, 96), jnp.int32)
+    return block, x, ids
+
+
+def test_block_and_stack_take_packs():
+    """``MoEBlock(..., lora_packs=block.lora.in_gemm_packs())`` gives the
+    block's bits on every platform (here the CPU, which reads no pack);
+    ``MoEStack`` wants one entry a layer."""
+    from flax import nnx
+
+    from jax_moelora.nnx import MoEStack
+
+    block, x, ids = _adapted_block()
+    packs = block.lora.in_gemm_packs()
+    assert packs.gate.b_ext.shape == (8, 32, 256) and packs.down.b_ext.shape == (8, 32, 512)
+    got = jax.jit(lambda x, i, p: block(x, i, lora_packs=p))(x, ids, packs)
+    np.testing.assert_array_equal(bits(np.asarray(got)), bits(np.asarray(block(x, ids))))
+    stack = MoEStack(64, 32, 4, 2, 2, max_loras=2, max_rank=8, dtype=jnp.bfloat16,
+                     rngs=nnx.Rngs(1))
+    h = jnp.ones((8, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="lora_packs has 1 entries, the stack 2 layers"):
+        stack(h, jnp.zeros((8,), jnp.int32), lora_packs=stack.in_gemm_packs()[:1])
+    assert stack(h, jnp.zeros((8,), jnp.int32), lora_packs=stack.in_gemm_packs()).shape == (8, 64)
+
+
+@GPU
+@HALF
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
+@pytest.mark.parametrize("pair", [False, True], ids=["single", "gate_up"])
+@pytest.mark.parametrize("x_gather", [0, 1])
+def test_packs_give_the_bits_of_the_kernels_own(rng, dtype, schedule, pair, x_gather):
+    """The kernel reading ``pack_lora_in_gemm`` packs writes the bits it
+    writes packing ``scale * B`` itself: partial tiles, 3 adapters, the last
+    expert past the tables, tokens out of range."""
+    case = make_case(rng, dtype=dtype, num_loras=3, pair=pair, x_gather=x_gather, E=7, K=264,
+                     N=200, M=500, ranks=(8, 16), max_rank=16)
+    got = case.run("fast", lora_in_gemm=True, schedule=schedule, packs=True)
+    want = case.run("fast", lora_in_gemm=True, schedule=schedule)
+    for a, b in zip(_planes(got, pair), _planes(want, pair)):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
+@GPU
+@pytest.mark.parametrize("poison", ["nan", "overflow"])
+def test_packed_marks_fold_their_rows_after_the_gemm(rng, poison):
+    """A pair marked in the packs (NaN in its B slot, or ``scale * B`` past
+    f16's range) gets the bits the kernel's own pack and marks give it: its
+    rows folded after the GEMM, the other rows untouched by it."""
+    case = make_case(rng, dtype=jnp.float16, num_loras=3, pair=True, E=5, K=128, N=96, M=400,
+                     ranks=(16,), max_rank=16)
+    route = case.routes[1]
+    l, e = np.argwhere(np.asarray(route.b_table) > 0)[0]
+    if poison == "overflow":
+        scales = np.array(route.scale_table)
+        scales[l, e] = 1e9
+        route = route.replace(scale_table=scales)
+    else:
+        b_pool = np.array(route.b_pool)
+        b_pool[int(np.asarray(route.b_table)[l, e]), 3, 5] = np.nan
+        route = route.replace(b_pool=b_pool)
+    bad = dataclasses.replace(case, routes=(case.routes[0], route))
+    assert np.asarray(ml.pack_lora_in_gemm(route).marks)[-1] == 1
+    for a, b in zip(bad.run("fast", lora_in_gemm=True, packs=True),
+                    bad.run("fast", lora_in_gemm=True)):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
+@GPU
+def test_packs_reach_the_custom_call():
+    """``lora_packs`` with the fold inside the K loop sets the custom call's
+    ``lora_packed``; the fold after the GEMM ignores them."""
+    route = jax.tree.map(jnp.asarray, _route(4, 16, K=768, N=64))
+    pack = ml.pack_lora_in_gemm(route)
+    x, w = jnp.zeros((64, 768), jnp.bfloat16), jnp.zeros((4, 768, 64), jnp.bfloat16)
+    gs = jnp.asarray([16, 16, 16, 16], jnp.int32)
+    for option, value in ((True, "1"), (False, "0")):
+        hlo = jax.jit(lambda x, w, gs, r, p: ml.expert_matmul(
+            x, w, gs, lora=r, impl="fast", gather_max_rows=0, lora_in_gemm=option,
+            lora_packs=p)).lower(x, w, gs, route, pack).as_text()
+        assert re.findall(r"lora_packed = (\d+)", hlo) == [value]
+
+
+@GPU
+def test_block_with_packs_gives_the_bits_without():
+    """On the GPU the block's prefill folding inside the GEMMs reads the packs
+    (``lora_packed = 1`` in both custom calls) and gives the block's bits."""
+    block, x, ids = _adapted_block()
+    packs = jax.jit(lambda: block.lora.in_gemm_packs())()
+    packed = jax.jit(lambda x, i, p: block(x, i, lora_packs=p))
+    assert re.findall(r"lora_packed = (\d+)", packed.lower(x, ids, packs).as_text()) == ["1", "1"]
+    np.testing.assert_array_equal(bits(np.asarray(packed(x, ids, packs))),
+                                  bits(np.asarray(jax.jit(lambda x, i: block(x, i))(x, ids))))

@@ -59,6 +59,7 @@ from jax_moelora.nnx.lora import (
     ExpertLoRA,
     ExpertLoRAView,
     MoELoRA,
+    MoELoRAPacks,
     MoELoRARoutes,
     StackedExpertLoRA,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "MoEBlock",
     "MoEFamily",
     "MoELoRA",
+    "MoELoRAPacks",
     "MoELoRARoutes",
     "MoEStack",
     "Qwen3MoE",

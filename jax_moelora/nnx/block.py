@@ -47,7 +47,7 @@ from jax_moelora.nnx.experts import (
     take_slots,
 )
 from jax_moelora.nnx.families import MoEFamily, family_config
-from jax_moelora.nnx.lora import MoELoRA, MoELoRARoutes, default_a_initializer
+from jax_moelora.nnx.lora import MoELoRA, MoELoRAPacks, MoELoRARoutes, default_a_initializer
 from jax_moelora.nnx.routers import Router
 from jax_moelora.nnx.sharded import BlockSharding, place_block, sharded_call
 from jax_moelora.ops.dense_fold import fold_dense_experts
@@ -299,11 +299,13 @@ class MoEBlock(nnx.Module):
                    and folds_in_gemm(rows, x.dtype, self.intermediate_size,
                                      self.hidden_size, impl))
         # gate and up with LoRA: one fold of their stacked route
+        packs = routes.packs if routes is not None else None
         if in_gemm:  # sorted rows, the folds in the GEMMs' custom calls
             gu = self.experts.first_folded(
                 x, rows, (routes.gate, routes.up), adapter_ids,
                 lambda base: fold_planned(x, base, plan, routes.gate_up, adapter_ids,
-                                          x_gather=1, impl=impl))
+                                          x_gather=1, impl=impl),
+                None if packs is None else (packs.gate, packs.up))
             g, u = gu[0], gu[1]
         elif routes is not None and plan.grouped:  # sorted rows, stacked [2, rows, I]
             gu = fold_planned(x, self.experts.first_stacked(x, rows), plan, routes.gate_up,
@@ -319,7 +321,8 @@ class MoEBlock(nnx.Module):
             d = self.experts.down_folded(
                 h, rows, routes.down, adapter_ids,
                 lambda base: fold_planned(h, base[0], plan, routes.down, adapter_ids,
-                                          x_gather=0, impl=impl)[None])
+                                          x_gather=0, impl=impl)[None],
+                None if packs is None else packs.down)
             return plan.to_flat_order(d)
         d = self.experts.down(h, rows)
         if routes is not None:
@@ -357,7 +360,7 @@ class MoEBlock(nnx.Module):
         return d
 
     def __call__(self, x: Array, adapter_ids: Array | None = None, *, impl: str | None = None,
-                 use_lora: bool = True) -> Array:
+                 use_lora: bool = True, lora_packs: MoELoRAPacks | None = None) -> Array:
         """Run the block.
 
         Args:
@@ -368,6 +371,11 @@ class MoEBlock(nnx.Module):
             every token uses the base model.
           impl: fold backend for this call (default: the block's ``impl``).
           use_lora: ``False`` runs the plain block with no fold at all.
+          lora_packs: ``self.lora.in_gemm_packs()`` made beforehand (once per
+            adapter change), or None. Where the expert GEMM folds the LoRA
+            inside its K loop, it reads them instead of packing ``scale * B``
+            in every call (the same bits); they must be the packs of the
+            adapters as they are now. Not taken by a sharded block.
 
         Returns:
           ``[..., H]`` in ``dtype``. On a mesh (``sharding``), ``x``'s tokens
@@ -390,10 +398,12 @@ class MoEBlock(nnx.Module):
             if not jnp.issubdtype(ids.dtype, jnp.integer):
                 raise TypeError(f"MoEBlock: adapter_ids must be integers, got {ids.dtype}")
             adapter_ids = ids.reshape(-1).astype(jnp.int32)
-            routes = self.lora.routes()
+            routes = self.lora.routes()._replace(packs=lora_packs)
         else:
             adapter_ids = None
         if self.sharding is not None:
+            if lora_packs is not None:
+                raise ValueError("MoEBlock: lora_packs is not taken by a sharded block")
             y = sharded_call(self, x2, adapter_ids, impl=impl, lora=routes is not None)
             return y.reshape(*lead, self.hidden_size)
         weights, topk_ids = self.route(x2, adapter_ids, routes, impl)

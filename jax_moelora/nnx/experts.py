@@ -224,14 +224,17 @@ def folds_in_gemm(rows: ExpertRows, dtype: Any, k: int, n: int, impl: str) -> bo
 
 
 def expert_matmul_folded(x: Array, ws: tuple[Array, ...], rows: ExpertRows, routes: tuple,
-                         row_adapter: Array | None, fold, *, x_gather: bool) -> Array:
+                         row_adapter: Array | None, fold, *, x_gather: bool,
+                         packs: tuple | None = None) -> Array:
     """:func:`expert_matmul_pair` (stacked ``[len(ws), T * top_k, N]``, a
     sorted plan on the ragged path: :func:`folds_in_gemm`) with each weight
     set's LoRA route of ``routes`` folded. Lowered for CUDA, one custom call
     (:func:`jax_moelora.expert_matmul` with ``lora``, the grouped fold inside
     the GEMM's K loop where ``lora_in_gemm_default`` says so, else after it in
     the same call); on any other platform the GEMM, then ``fold`` of its
-    stacked output (the block's grouped fold)."""
+    stacked output (the block's grouped fold). ``packs``: the routes'
+    ``pack_lora_in_gemm`` packs (one per route) or None, read by the kernel
+    folding inside its K loop."""
     srt = rows.ragged
     sizes = jnp.diff(srt.expert_offsets).astype(jnp.int32)
     pair = len(ws) == 2
@@ -243,7 +246,8 @@ def expert_matmul_folded(x: Array, ws: tuple[Array, ...], rows: ExpertRows, rout
             x, ws if pair else ws[0], sizes, lora=tuple(routes) if pair else routes[0],
             row_adapter=row_adapter, sorted_token_ids=srt.sorted_token_ids,
             x_gather=int(x_gather), stacked=pair, impl="auto",
-            gather_max_rows=0)  # "auto": traced whatever the default device
+            gather_max_rows=0,  # "auto": traced whatever the default device
+            lora_packs=None if packs is None else (tuple(packs) if pair else packs[0]))
         return out if pair else out[None]
 
     def after(x, ws, sizes):
@@ -300,13 +304,13 @@ class GluExperts(nnx.Module):
                                   stacked=True)
 
     def first_folded(self, x: Array, rows: ExpertRows, routes: tuple, row_adapter: Array | None,
-                     fold) -> Array:
+                     fold, packs: tuple | None = None) -> Array:
         """:meth:`first_stacked` with the gate and up LoRA ``routes`` folded
         (:func:`expert_matmul_folded`; ``fold`` folds the stacked output where
-        the GEMM's custom call does not)."""
+        the GEMM's custom call does not; ``packs``: the routes' packs or None)."""
         return expert_matmul_folded(x, (self.gate_proj[...].astype(self.dtype),
                                         self.up_proj[...].astype(self.dtype)), rows, routes,
-                                    row_adapter, fold, x_gather=True)
+                                    row_adapter, fold, x_gather=True, packs=packs)
 
     def first_all(self, x: Array) -> tuple[Array, Array]:
         """Tokens ``x [T, H]`` -> base gate and up of every expert on every
@@ -325,11 +329,12 @@ class GluExperts(nnx.Module):
         return expert_matmul(h, self.down_proj[...].astype(self.dtype), rows, x_gather=False)
 
     def down_folded(self, h: Array, rows: ExpertRows, route, row_adapter: Array | None,
-                    fold) -> Array:
+                    fold, pack=None) -> Array:
         """:meth:`down` with the down LoRA ``route`` folded (as
         :meth:`first_folded`; ``fold`` takes and returns ``[1, rows, H]``)."""
         return expert_matmul_folded(h, (self.down_proj[...].astype(self.dtype),), rows, (route,),
-                                    row_adapter, fold, x_gather=False)[0]
+                                    row_adapter, fold, x_gather=False,
+                                    packs=None if pack is None else (pack,))[0]
 
     def down_all(self, h_all: Array) -> Array:
         """Rows ``h_all [E, T, I]`` (:func:`scatter_rows` of the flat rows) ->

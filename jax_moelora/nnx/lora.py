@@ -41,6 +41,7 @@ from flax import nnx
 
 from jax_moelora.geometry import padded_rank
 from jax_moelora.peft import PROJECTIONS, AdapterFormatError, ProjectionLoRA
+from jax_moelora.ops.lora_pack import LoraInGemmPack, pack_lora_in_gemm
 from jax_moelora.ops.sharding import update_block, write_shard_blocks
 from jax_moelora.ops.stacked import StackedRoute, stored_cells
 from jax_moelora.tables import MoeExpertRoute
@@ -50,6 +51,7 @@ __all__ = [
     "ExpertLoRA",
     "ExpertLoRAView",
     "MoELoRA",
+    "MoELoRAPacks",
     "MoELoRARoutes",
     "SHARED_PROJECTIONS",
     "StackedExpertLoRA",
@@ -108,15 +110,26 @@ class AdapterTable(nnx.Variable):
     tables ``[L, E_t]`` and the float32 scales ``[L, E_t]`` of a projection."""
 
 
+class MoELoRAPacks(NamedTuple):
+    """The routed experts' ``pack_lora_in_gemm`` packs of one MoE layer
+    (:meth:`MoELoRA.in_gemm_packs`): ``gate``, ``up`` and ``down``, each a
+    ``LoraInGemmPack``."""
+
+    gate: LoraInGemmPack
+    up: LoraInGemmPack
+    down: LoraInGemmPack
+
+
 class MoELoRARoutes(NamedTuple):
     """The routes of one MoE layer.
 
     Fields: ``router`` and ``down`` (``MoeExpertRoute``), ``gate_up`` (a
     ``StackedRoute`` of gate then up: the block folds both in one launch);
     with shared experts ``shared_gate_up`` (``StackedRoute``) and
-    ``shared_down``, else ``None``. The properties ``gate``, ``up``,
-    ``shared_gate`` and ``shared_up`` give the stacked projections one by one
-    (slices of the stacked arrays).
+    ``shared_down``, else ``None``; ``packs``: the routed experts'
+    :class:`MoELoRAPacks` made beforehand, or ``None``. The properties
+    ``gate``, ``up``, ``shared_gate`` and ``shared_up`` give the stacked
+    projections one by one (slices of the stacked arrays).
     """
 
     router: MoeExpertRoute
@@ -124,6 +137,7 @@ class MoELoRARoutes(NamedTuple):
     down: MoeExpertRoute
     shared_gate_up: StackedRoute | None = None
     shared_down: MoeExpertRoute | None = None
+    packs: MoELoRAPacks | None = None
 
     @property
     def gate(self) -> MoeExpertRoute:
@@ -725,6 +739,16 @@ class MoELoRA(nnx.Module):
             router=self.router.route(), gate_up=self.gate_up.route(), down=self.down.route(),
             shared_gate_up=self.shared_gate_up.route() if shared else None,
             shared_down=self.shared_down.route() if shared else None)
+
+    def in_gemm_packs(self) -> MoELoRAPacks:
+        """The routed experts' gate, up and down routes packed for the expert
+        GEMM's K loop (``pack_lora_in_gemm``, traceable): pass them to
+        :class:`MoEBlock` as ``lora_packs`` while the adapters stay as they
+        are now, and make them again after any change (a slot written or
+        cleared, a training step)."""
+        routes = self.routes()
+        return MoELoRAPacks(pack_lora_in_gemm(routes.gate), pack_lora_in_gemm(routes.up),
+                            pack_lora_in_gemm(routes.down))
 
     def check_adapter(self, projections: Mapping[str, ProjectionLoRA], where: str = "") -> None:
         """Raise ``AdapterFormatError`` naming the key if a projection does not fit."""

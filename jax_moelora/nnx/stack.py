@@ -6,6 +6,7 @@ folds the MoE part), as the demo and the fine-tuning example run it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -15,6 +16,7 @@ from flax import nnx
 from jax_moelora.nnx.block import ExpertPathOption, MoEBlock
 from jax_moelora.nnx.experts import ExpertGemm
 from jax_moelora.nnx.families import MoEFamily
+from jax_moelora.nnx.lora import MoELoRAPacks
 
 __all__ = ["MoEStack"]
 
@@ -56,21 +58,33 @@ class MoEStack(nnx.Module):
     def num_layers(self) -> int:
         return len(self.blocks)
 
+    def in_gemm_packs(self) -> list[MoELoRAPacks]:
+        """Every block's ``lora.in_gemm_packs()`` (traceable), for ``lora_packs``."""
+        return [block.lora.in_gemm_packs() for block in self.blocks]
+
     def layers(self, h: jax.Array, adapter_ids: jax.Array | None, *, impl: str | None = None,
-               use_lora: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+               use_lora: bool = True, lora_packs: Sequence[MoELoRAPacks] | None = None
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``h [T, H]`` through every layer -> ``(h [T, H], block_inputs [L, T,
         H], block_outputs [L, T, H])`` (the blocks' dtype); ``adapter_ids``
-        int32 ``[T]`` (-1: the base model), as :class:`MoEBlock` takes them."""
+        int32 ``[T]`` (-1: the base model), as :class:`MoEBlock` takes them;
+        ``lora_packs``: :meth:`in_gemm_packs` made beforehand, or None."""
+        if lora_packs is not None and len(lora_packs) != len(self.blocks):
+            raise ValueError(f"MoEStack: lora_packs has {len(lora_packs)} entries, the stack "
+                             f"{len(self.blocks)} layers")
+        packs = [None] * len(self.blocks) if lora_packs is None else list(lora_packs)
         ins, outs = [], []
-        for norm, block in zip(self.norms, self.blocks):
+        for norm, block, pack in zip(self.norms, self.blocks, packs):
             z = norm(h)
-            o = block(z, adapter_ids, impl=impl, use_lora=use_lora)
+            o = block(z, adapter_ids, impl=impl, use_lora=use_lora, lora_packs=pack)
             ins.append(z)
             outs.append(o)
             h = h + o
         return h, jnp.stack(ins), jnp.stack(outs)
 
     def __call__(self, h: jax.Array, adapter_ids: jax.Array | None = None, *,
-                 impl: str | None = None, use_lora: bool = True) -> jax.Array:
+                 impl: str | None = None, use_lora: bool = True,
+                 lora_packs: Sequence[MoELoRAPacks] | None = None) -> jax.Array:
         """``h [T, H]`` -> the last layer's output ``[T, H]``."""
-        return self.layers(h, adapter_ids, impl=impl, use_lora=use_lora)[0]
+        return self.layers(h, adapter_ids, impl=impl, use_lora=use_lora,
+                           lora_packs=lora_packs)[0]

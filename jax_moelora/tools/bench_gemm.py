@@ -15,7 +15,9 @@ jitted program, the median of ``--runs`` runs, divided by ``--reps``):
   ``gemm_lora_after`` put it inside the GEMM's K loop or after the GEMM
   (``lora_in_gemm=True``/``False``; the gather fold's row counts fold after
   the GEMM either way unless ``gather_max_rows`` is lowered: both fold with
-  the grouped fold, ``gather_max_rows=0``);
+  the grouped fold, ``gather_max_rows=0``); ``gemm_lora_packed`` folds inside
+  the K loop reading the routes' ``pack_lora_in_gemm`` packs, made once
+  with the inputs (a server makes them once per adapter change);
 - ``ragged_dot``: ``jax.lax.ragged_dot`` (bf16 operands, fp32 accumulation)
   per weight set; skipped where XLA's dense lowering would need more than
   ``--ragged-max-gib`` (its ``[E, M, N]`` fp32 intermediate).
@@ -54,6 +56,7 @@ from jax_moelora.tools import bench_methods as bm
 from jax_moelora.tools.bench_cases import MODELS, Model, make_routing, parse_model
 from jax_moelora.tools.step_profile import top_kernels, trace_into
 from jax_moelora.ops.expert_matmul import EXPERT_MATMUL_SCHEDULES, expert_matmul
+from jax_moelora.ops.lora_pack import pack_lora_in_gemm
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["GemmCase", "GEMM_TOKENS", "GEMM_PROJS", "GEMM_METHODS", "run_gemm_bench",
@@ -62,8 +65,9 @@ __all__ = ["GemmCase", "GEMM_TOKENS", "GEMM_PROJS", "GEMM_METHODS", "run_gemm_be
 GEMM_TOKENS = (64, 256, 4096, 16384)
 GEMM_PROJS = ("gate_up", "down")
 GEMM_METHODS = ("gemm", "gemm_lora", "ragged_dot")
-#: Methods run only when named: the LoRA inside the GEMM or after it.
-LORA_PLACE_METHODS = {"gemm_lora_in": True, "gemm_lora_after": False}
+#: Methods run only when named: the LoRA inside the GEMM or after it, and
+#: inside it reading packs made once.
+LORA_PLACE_METHODS = {"gemm_lora_in": True, "gemm_lora_after": False, "gemm_lora_packed": True}
 # --quick on the CPU: a small custom model, few tokens and repetitions.
 QUICK_CPU_MODEL = "tiny:16:2:256:128"
 QUICK_CPU_TOKENS = (16, 64)
@@ -136,8 +140,10 @@ def make_gemm_inputs(c: GemmCase, dtype=jnp.bfloat16) -> dict[str, Any]:
                        a_table=slots, b_table=slots, scale_table=scale)
         for i in range(c.n_weights))
     active = int((sizes > 0).sum())
+    packs = tuple(pack_lora_in_gemm(r) for r in routes) if jnp.dtype(dtype) in TOLERANCE else None
     return {"x": x, "w": ws if c.n_weights == 2 else ws[0], "group_sizes": jnp.asarray(sizes),
             "routes": routes if c.n_weights == 2 else routes[0],
+            "packs": packs if packs is None or c.n_weights == 2 else packs[0],
             "row_adapter": jnp.asarray(row_adapter), "sorted_token_ids": jnp.asarray(stids),
             "active_experts": active,
             "active_cells": len({(int(a), int(e)) for a, e in
@@ -199,11 +205,12 @@ def _method_fn(method: str, c: GemmCase, impl: str):
 
     def call(out, a, lora, impl=impl, in_gemm=None):
         grouped = {} if in_gemm is None else {"gather_max_rows": 0}
+        packs = a["packs"] if method == "gemm_lora_packed" else None
         out = expert_matmul(a["x"], a["w"], _chained_sizes(out, a),
                             lora=a["routes"] if lora else None,
                             row_adapter=a["row_adapter"] if lora else None,
                             sorted_token_ids=a["sorted_token_ids"], impl=impl,
-                            schedule=schedule, lora_in_gemm=in_gemm, **grouped)
+                            schedule=schedule, lora_in_gemm=in_gemm, lora_packs=packs, **grouped)
         return out if c.n_weights == 1 else jnp.stack(out)
 
     if method == "gemm":

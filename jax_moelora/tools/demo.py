@@ -23,7 +23,9 @@ LoRA and prints the overhead in percent. ``--timing --prefill`` measures a
 prefill step of the same stack instead (T = 4096 by default: ``T * top_k`` rows
 sorted by expert, the grouped path): the base model and 4 adapters, each with
 the ragged path's grouped GEMM as ``jax.lax.ragged_dot`` and as
-``jax_moelora.expert_matmul`` (``MoEBlock(expert_gemm=...)``).
+``jax_moelora.expert_matmul`` (``MoEBlock(expert_gemm=...)``), and with
+``expert_matmul`` once more reading the adapters' ``scale * B`` packed once
+(``MoEStack.in_gemm_packs``, bf16/f16) instead of in every step.
 """
 
 from __future__ import annotations
@@ -132,10 +134,11 @@ class DemoModel(nnx.Module):
         return self.stack.norms
 
     def layers(self, h: jax.Array, adapter_ids: jax.Array | None, *, impl: str | None = None,
-               use_lora: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+               use_lora: bool = True, lora_packs=None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``h [T, H]`` through every layer -> ``(h, block_inputs [L, T, H],
-        block_outputs [L, T, H])``."""
-        return self.stack.layers(h, adapter_ids, impl=impl, use_lora=use_lora)
+        block_outputs [L, T, H])``; ``lora_packs`` as :class:`MoEStack` takes them."""
+        return self.stack.layers(h, adapter_ids, impl=impl, use_lora=use_lora,
+                                 lora_packs=lora_packs)
 
     def __call__(self, tokens: jax.Array, adapter_ids: jax.Array | None, *,
                  impl: str | None = None, use_lora: bool = True):
@@ -635,14 +638,19 @@ def _install_random_adapters(model: DemoModel, rank: int, seed: int) -> None:
                 proj.write_slot(slot, a, b, np.ones(E, np.float32), np.ones(E, bool))
 
 
-def _timed_loop(graphdef, impl: str, use_lora: bool, steps: int) -> Callable:
-    """``steps`` steps of the layer stack in one program (output fed back)."""
+def _timed_loop(graphdef, impl: str, use_lora: bool, steps: int,
+                packs: bool | None = None) -> Callable:
+    """``steps`` steps of the layer stack in one program (output fed back).
+    ``packs`` None: the state is the model's; else it is ``(the model's, the
+    stack's in_gemm_packs)``, and the steps read the packs when ``packs``."""
 
     def run_steps(state, h, ids):
+        state, lora_packs = (state, None) if packs is None else state
         model = nnx.merge(graphdef, state)
 
         def body(_, h):
-            out, _, _ = model.layers(h, ids, impl=impl, use_lora=use_lora)
+            out, _, _ = model.layers(h, ids, impl=impl, use_lora=use_lora,
+                                     lora_packs=lora_packs if packs else None)
             return out.astype(h.dtype)
 
         return jax.lax.fori_loop(0, steps, body, h)
@@ -785,6 +793,8 @@ def time_variants(variants, state, h, *, repeats: int, inner: int, console,
 
 #: The grouped GEMMs ``--timing --prefill`` compares (``MoEBlock(expert_gemm=...)``).
 PREFILL_GEMMS = ("ragged_dot", "expert_matmul")
+#: The prefill variant whose expert GEMMs read packs made once for the adapters.
+PACKED_LABEL = "LoRA, 4 adapters, packs made once"
 
 
 def _run_prefill_timing(args, impl: str, console) -> int:
@@ -815,21 +825,13 @@ def _run_prefill_timing(args, impl: str, console) -> int:
     h = jax.random.normal(jax.random.key(args.seed + 3), (T, cfg.hidden), jnp.float32)
     h = h.astype(dt)
     spread = jnp.arange(T, dtype=jnp.int32) % cfg.max_loras
-    variants, meta = [], {}
-    for gemm in PREFILL_GEMMS:
-        for b in model.blocks:
-            b.expert_gemm = gemm
-        graphdef, state = nnx.split(model)
-        for use_lora, what in ((False, "base model"), (True, "LoRA, 4 adapters")):
-            label = f"{what}, {gemm}"
-            variants.append((label, _timed_loop(graphdef, impl, use_lora, inner), spread))
-            meta[label] = dict(expert_gemm=gemm, lora=use_lora)
+    variants, meta, state = _prefill_variants(model, impl, inner, spread)
     results, errors = time_variants(variants, state, h, repeats=args.repeats, inner=inner,
                                      console=console, catch=True)
     for label, r in results.items():
         r.update(meta[label])
 
-    def step(gemm: str, lora: bool) -> float | None:
+    def step(gemm: str, lora: bool) -> float | None:  # the step without packs
         r = results.get(f"{'LoRA, 4 adapters' if lora else 'base model'}, {gemm}")
         return None if r is None else r["step_s"]
 
@@ -861,6 +863,30 @@ def _run_prefill_timing(args, impl: str, console) -> int:
     return 0
 
 
+def _prefill_variants(model: DemoModel, impl: str, inner: int, ids) -> tuple[list, dict, Any]:
+    """``(variants, meta, state)`` of ``--timing --prefill``: per grouped GEMM
+    of ``PREFILL_GEMMS`` the base model and 4 adapters, and with
+    ``expert_matmul`` (bf16/f16) the adapters once more with packs made once
+    (``pack_lora_in_gemm``); ``state``: the model's and the stack's packs."""
+    packable = jnp.dtype(DTYPES[model.cfg.dtype]) in (jnp.bfloat16, jnp.float16)
+    variants, meta = [], {}
+    for gemm in PREFILL_GEMMS:
+        for b in model.blocks:
+            b.expert_gemm = gemm
+        graphdef, state = nnx.split(model)
+        runs = [(False, "base model", False), (True, "LoRA, 4 adapters", False)]
+        if gemm == "expert_matmul" and packable:
+            runs.append((True, PACKED_LABEL, True))
+        for use_lora, what, packed in runs:
+            label = f"{what}, {gemm}"
+            variants.append((label, _timed_loop(graphdef, impl, use_lora, inner, packs=packed),
+                             ids))
+            meta[label] = dict(expert_gemm=gemm, lora=use_lora, packs=packed)
+    packs = (jax.jit(lambda s: nnx.merge(graphdef, s).stack.in_gemm_packs())(state)
+             if packable else None)
+    return variants, meta, (state, packs)
+
+
 def _trace_prefill(console, variants, results: dict[str, dict], state, h, inner: int,
                    folder: Path) -> None:
     """``--trace`` of ``--timing --prefill``: the kernels of each variant that
@@ -871,10 +897,12 @@ def _trace_prefill(console, variants, results: dict[str, dict], state, h, inner:
             results[label]["kernels"] = _trace_kernels(console, label, fn, state, h, ids,
                                                        inner, folder / f"prefill{i}")
     for gemm in PREFILL_GEMMS:
-        b, lo = (results.get(f"{name}, {gemm}") for name in ("base model", "LoRA, 4 adapters"))
-        if b and lo and "kernels" in b and "kernels" in lo:
-            lo["overhead_split"] = _print_split(console, f"LoRA, 4 adapters, {gemm}",
-                                                b["kernels"], lo["kernels"])
+        b = results.get(f"base model, {gemm}")
+        for name in ("LoRA, 4 adapters", PACKED_LABEL):
+            lo = results.get(f"{name}, {gemm}")
+            if b and lo and "kernels" in b and "kernels" in lo:
+                lo["overhead_split"] = _print_split(console, f"{name}, {gemm}", b["kernels"],
+                                                    lo["kernels"])
 
 
 def _main(argv: list[str] | None = None) -> int:  # pragma: no cover - convenience
