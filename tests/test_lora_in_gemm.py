@@ -613,6 +613,22 @@ def test_block_and_stack_take_packs():
     assert stack(h, jnp.zeros((8,), jnp.int32), lora_packs=stack.in_gemm_packs()).shape == (8, 64)
 
 
+def test_a_sharded_block_refuses_packs():
+    """A block on a mesh (here of one device) names ``lora_packs`` as what it
+    does not take."""
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    from jax_moelora.nnx import MoEBlock
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    block = MoEBlock(64, 32, 4, 2, max_loras=2, max_rank=8, dtype=jnp.bfloat16, mesh=mesh,
+                     data_axis="data", rngs=nnx.Rngs(0))
+    x, ids = jnp.ones((8, 64), jnp.bfloat16), jnp.zeros((8,), jnp.int32)
+    with pytest.raises(ValueError, match="lora_packs is not taken by a sharded block"):
+        block(x, ids, lora_packs=block.lora.in_gemm_packs())
+
+
 @GPU
 @HALF
 @pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
