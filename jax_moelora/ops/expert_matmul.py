@@ -20,7 +20,9 @@ bit-identical to the same backend's GEMM without LoRA.
 Where the CUTLASS kernel folds inside its K loop (``lora_in_gemm``), an adapted
 row is instead ``round(xs[r] @ w[e] + round(xs[r] A^T) @ round(scale * B^T))``:
 one fp32 accumulation, one rounding of the output (the same skip rules; rows
-without an adapter still bit-identical to the GEMM without LoRA).
+without an adapter still bit-identical to the GEMM without LoRA). Its
+``round(scale * B^T)`` blocks are packed in the call, or read from
+``lora_packs`` made beforehand by ``pack_lora_in_gemm`` (the same bits).
 
 Backends: ``"jnp"`` and ``"cpu"`` run ``jax.lax.ragged_dot`` and the fold
 with that impl; ``"fast"`` runs one custom call (CUTLASS grouped GEMM on sm90,
