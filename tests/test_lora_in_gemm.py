@@ -471,6 +471,21 @@ def test_pack_holds_each_pairs_scaled_b(dtype):
     assert not np.asarray(pack.b_ext)[e, l * 16:(l + 1) * 16].any()
 
 
+def _poison_first_pair(route, poison: str):
+    """``(route, l, e, slot)``: ``route`` with its first adapted pair ``(l, e)``
+    (B slot ``slot``) made not finite when packed: ``"nan"`` or ``"inf"`` in
+    the slot, or ``"overflow"``: a scale taking ``scale * B`` past f16's range."""
+    l, e = np.argwhere(np.asarray(route.b_table) > 0)[0]
+    slot = int(np.asarray(route.b_table)[l, e])
+    if poison == "overflow":
+        scales = np.array(route.scale_table)
+        scales[l, e] = 1e9
+        return route.replace(scale_table=scales), l, e, slot
+    b_pool = np.array(route.b_pool)
+    b_pool[slot, 2, 1] = np.nan if poison == "nan" else np.inf
+    return route.replace(b_pool=b_pool), l, e, slot
+
+
 @pytest.mark.parametrize("poison", ["nan", "inf", "overflow"])
 def test_pack_marks_a_pair_that_is_not_finite(poison):
     """A NaN or inf in a pair's B slot, or a scale taking ``scale * B`` past
@@ -478,16 +493,7 @@ def test_pack_marks_a_pair_that_is_not_finite(poison):
     ``b_ext`` holds zero in place of each value that is not finite."""
     route = make_route(np.random.default_rng(2), dtype=jnp.float16, num_loras=2, n_experts=4,
                        k_in=64, n_out=24, ranks=(8,), max_rank=8)
-    l, e = np.argwhere(np.asarray(route.b_table) > 0)[0]
-    slot = int(np.asarray(route.b_table)[l, e])
-    if poison == "overflow":
-        scales = np.array(route.scale_table)
-        scales[l, e] = 1e9
-        route = route.replace(scale_table=scales)
-    else:
-        b_pool = np.array(route.b_pool)
-        b_pool[slot, 2, 1] = np.nan if poison == "nan" else np.inf
-        route = route.replace(b_pool=b_pool)
+    route, l, e, slot = _poison_first_pair(route, poison)
     pack = ml.pack_lora_in_gemm(route)
     want_b, want_m = _packed_reference(route)
     marks = np.asarray(pack.marks)
@@ -654,16 +660,7 @@ def test_packed_marks_fold_their_rows_after_the_gemm(rng, poison):
     rows folded after the GEMM, the other rows untouched by it."""
     case = make_case(rng, dtype=jnp.float16, num_loras=3, pair=True, E=5, K=128, N=96, M=400,
                      ranks=(16,), max_rank=16)
-    route = case.routes[1]
-    l, e = np.argwhere(np.asarray(route.b_table) > 0)[0]
-    if poison == "overflow":
-        scales = np.array(route.scale_table)
-        scales[l, e] = 1e9
-        route = route.replace(scale_table=scales)
-    else:
-        b_pool = np.array(route.b_pool)
-        b_pool[int(np.asarray(route.b_table)[l, e]), 3, 5] = np.nan
-        route = route.replace(b_pool=b_pool)
+    route = _poison_first_pair(case.routes[1], poison)[0]
     bad = dataclasses.replace(case, routes=(case.routes[0], route))
     assert np.asarray(ml.pack_lora_in_gemm(route).marks)[-1] == 1
     for a, b in zip(bad.run("fast", lora_in_gemm=True, packs=True),

@@ -152,28 +152,37 @@ def _weights(w, dtype) -> tuple[tuple[Any, ...], bool]:
     return ws, pair
 
 
-def _routes(lora, pair: bool, dtype, E: int, K: int, N: int) -> tuple[Any, ...]:
-    n = 2 if pair else 1
-    if lora is None:
-        return (None,) * n
-    if isinstance(lora, MoeExpertRoute):
+def _per_set(value, pair: bool, name: str, single: type, pair_form: str) -> tuple[Any, ...]:
+    """``value``, one ``single`` or for a gate/up pair a pair of them, as a
+    tuple with one entry a weight set; errors name the argument ``name``."""
+    if isinstance(value, single):
         if pair:
-            raise TypeError("expert_matmul: with a gate/up pair of weights, lora must be a pair "
-                            "(route_gate, route_up); either may be None")
-        routes = (lora,)
-    elif isinstance(lora, (tuple, list)):
+            raise TypeError(f"expert_matmul: with a gate/up pair of weights, {name} must be a "
+                            f"pair {pair_form}; either may be None")
+        return (value,)
+    if isinstance(value, (tuple, list)):
         if not pair:
-            raise TypeError("expert_matmul: lora is a sequence but w is one weight set; pass one "
-                            "MoeExpertRoute")
-        if len(lora) != 2:
-            raise ValueError(f"expert_matmul: lora must be (route_gate, route_up), got "
-                             f"{len(lora)} entries")
-        routes = tuple(lora)
-    else:
-        raise TypeError(f"expert_matmul: lora must be a MoeExpertRoute, a pair of them or None, "
-                        f"got {type(lora).__name__}")
+            raise TypeError(f"expert_matmul: {name} is a sequence but w is one weight set; pass "
+                            f"one {single.__name__}")
+        if len(value) != 2:
+            raise ValueError(f"expert_matmul: {name} must be {pair_form}, got {len(value)} "
+                             f"entries")
+        return tuple(value)
+    raise TypeError(f"expert_matmul: {name} must be a {single.__name__}, a pair of them or None, "
+                    f"got {type(value).__name__}")
+
+
+def _set_name(name: str, pair: bool, i: int) -> str:
+    """How errors name weight set ``i``'s entry of the argument ``name``."""
+    return name if not pair else (f"{name}[0] (gate)", f"{name}[1] (up)")[i]
+
+
+def _routes(lora, pair: bool, dtype, E: int, K: int, N: int) -> tuple[Any, ...]:
+    if lora is None:
+        return (None,) * (2 if pair else 1)
+    routes = _per_set(lora, pair, "lora", MoeExpertRoute, "(route_gate, route_up)")
     for i, r in enumerate(routes):
-        name = "lora" if not pair else ("lora[0] (gate)", "lora[1] (up)")[i]
+        name = _set_name("lora", pair, i)
         if r is None:
             continue
         if not isinstance(r, MoeExpertRoute):
@@ -200,19 +209,10 @@ def _packs(lora_packs, routes: tuple, pair: bool) -> tuple | None:
         return None
     if all(r is None for r in routes):
         raise ValueError("expert_matmul: lora_packs is given without lora")
-    if pair:
-        if not isinstance(lora_packs, (tuple, list)) or isinstance(lora_packs,
-                                                                    lora_pack.LoraInGemmPack):
-            raise TypeError("expert_matmul: with a gate/up pair of weights, lora_packs must be a "
-                            "pair (pack_gate, pack_up), matching lora")
-        if len(lora_packs) != 2:
-            raise ValueError(f"expert_matmul: lora_packs must be (pack_gate, pack_up), got "
-                             f"{len(lora_packs)} entries")
-        packs = tuple(lora_packs)
-    else:
-        packs = (lora_packs,)
+    packs = _per_set(lora_packs, pair, "lora_packs", lora_pack.LoraInGemmPack,
+                     "(pack_gate, pack_up), matching lora")
     for i, (p, r) in enumerate(zip(packs, routes)):
-        name = "lora_packs" if not pair else ("lora_packs[0] (gate)", "lora_packs[1] (up)")[i]
+        name = _set_name("lora_packs", pair, i)
         if r is None:
             if p is not None:
                 raise ValueError(f"expert_matmul: {name} is given for a weight set without "
