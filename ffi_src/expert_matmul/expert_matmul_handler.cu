@@ -198,7 +198,6 @@ ffi::Error ExpertMatmulCudaImpl(
       pack_b[n_packs] = b_ext;
       pack_marks[n_packs++] = marks;
     }
-    if (err == cudaSuccess) err = clear_lora_ext(f, stream);
     g.xa_ext[i] = f.xa;
     g.b_ext[i] = b_ext;
     g.ext_k[i] = f.xa_ld;
@@ -221,8 +220,11 @@ ffi::Error ExpertMatmulCudaImpl(
   for (int64_t j = 0; j < n_shrinks && err == cudaSuccess; ++j)
     err = shrink_lora_ext(shrinks[j], stream);
   if (err == cudaSuccess) err = kernel->run(g, stream);
-  for (int64_t i = 0; i < num_weights && in_gemm && err == cudaSuccess; ++i)
-    if (has_lora[i]) err = fold_marked_rows(folds[i], stream);
+  GroupedArgs marked[kExpertMatmulMaxWeights];
+  int n_marked = 0;
+  for (int64_t i = 0; i < num_weights && in_gemm; ++i)
+    if (has_lora[i]) marked[n_marked++] = folds[i];
+  if (n_marked > 0 && err == cudaSuccess) err = fold_marked_rows(marked, n_marked, stream);
   for (int64_t i = 0; i < num_weights && !in_gemm && err == cudaSuccess; ++i)
     if (has_lora[i]) err = launch_grouped_fast(fold_args(i, xa->untyped_data()), stream);
   if (err != cudaSuccess) return ffi::Error::Internal(std::string("expert_matmul: ") +

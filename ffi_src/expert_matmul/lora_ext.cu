@@ -12,7 +12,7 @@
 //     no rows are not written (the GEMM has no tile to read them). A caller
 //     may pass b_ext and the marks packed beforehand (pack_lora_in_gemm in
 //     jax_moelora/ops/lora_pack.py: the same values, made once per adapter
-//     change); then only xa_ext is cleared and made here.
+//     change); then only xa_ext is made here.
 //
 // So row r of expert e gains sum_k xa_ext[r, k] b_ext[e, k, :] =
 // round(x A^T) . round(scale B^T) of its own pair and zeros: the grouped
@@ -101,15 +101,21 @@ __global__ void __launch_bounds__(kPackThreads)
   }
 }
 
+// Every weight set of the call, one launch (blockIdx.y: the set).
+struct MarkedSets {
+  GroupedArgs set[kExpertMatmulMaxWeights];
+};
+
 // The rows of the pairs a.skip_cells marks (the pack's marks), after the GEMM (which wrote their base: the
 // shrink left them out): out = round(base + scale * round(round(x A^T) B^T)),
 // the fold after the GEMM, fp32 sums, round(x A^T) also stored in the row's
 // R columns of a.xa (rows a.xa_ld wide, column l * R), for the sorted rows of the window
-// [row_offset, row_end). One warp a row; every CTA returns at once when no
-// pair is marked.
+// [row_offset, row_end), a = sets.set[blockIdx.y]. One warp a row; every CTA
+// returns at once when no pair of its set is marked.
 template <DType D>
 __global__ void __launch_bounds__(kMarkedThreads)
-    fold_marked_rows_kernel(const GroupedArgs a) {
+    fold_marked_rows_kernel(const MarkedSets sets) {
+  const GroupedArgs& a = sets.set[blockIdx.y];
   const RouteView& rt = a.route;
   const int32_t* marks = a.skip_cells;
   if (marks[rt.num_loras * rt.n_experts] == 0) return;  // uniform
@@ -197,26 +203,41 @@ cudaError_t pack_lora_ext(const GroupedArgs* folds, void* const* b_ext, int32_t*
   return cudaPeekAtLastError();
 }
 
-cudaError_t clear_lora_ext(const GroupedArgs& f, cudaStream_t stream) {
-  if (f.xa_ld != f.route.num_loras * f.R || !f.xa_by_adapter) return cudaErrorInvalidValue;
-  return cudaMemsetAsync(f.xa, 0, size_t(f.te * f.xa_ld) * 2, stream);
-}
-
 cudaError_t shrink_lora_ext(const GroupedArgs& f, cudaStream_t stream) {
-  const int64_t lo = std::max<int64_t>(0, f.row_offset), hi = std::min<int64_t>(f.row_end, f.te);
-  if (hi <= lo || std::min<int64_t>(f.route.n_experts, f.num_experts) <= 0) return cudaSuccess;
-  return fast::launch_grouped_shrink(f, stream);
+  if (f.xa_ld != f.route.num_loras * f.R || !f.xa_by_adapter || f.row_offset > 0 ||
+      f.row_end < f.te)
+    return cudaErrorInvalidValue;
+  if (f.te <= 0) return cudaSuccess;
+  if (std::min<int64_t>(f.route.n_experts, f.num_experts) > 0)
+    return fast::launch_grouped_shrink(f, stream);  // it zeroes xa (and xa2) as it goes
+  for (void* xa : {f.xa, f.xa2}) {  // no expert to shrink for: xa_ext is all zeros
+    if (xa == nullptr) continue;
+    if (cudaError_t err = cudaMemsetAsync(xa, 0, size_t(f.te * f.xa_ld) * 2, stream);
+        err != cudaSuccess)
+      return err;
+  }
+  return cudaSuccess;
 }
 
-cudaError_t fold_marked_rows(const GroupedArgs& f, cudaStream_t stream) {
-  const int64_t lo = std::max<int64_t>(0, f.row_offset), hi = std::min<int64_t>(f.row_end, f.te);
-  if (hi <= lo) return cudaSuccess;
-  const int64_t ctas = std::min<int64_t>((hi - lo + kMarkedWarps - 1) / kMarkedWarps,
-                                         4 * int64_t(fast::sm_count()));
-  if (f.dtype == DType::kBf16)
-    fold_marked_rows_kernel<DType::kBf16><<<unsigned(ctas), kMarkedThreads, 0, stream>>>(f);
+cudaError_t fold_marked_rows(const GroupedArgs* folds, int n_sets, cudaStream_t stream) {
+  if (n_sets < 1 || n_sets > kExpertMatmulMaxWeights) return cudaErrorInvalidValue;
+  MarkedSets sets = {};
+  int64_t rows = 0;
+  for (int s = 0; s < n_sets; ++s) {
+    const GroupedArgs& f = folds[s];
+    if (f.dtype != folds[0].dtype) return cudaErrorInvalidValue;
+    sets.set[s] = f;
+    rows = std::max<int64_t>(rows, std::min<int64_t>(f.row_end, f.te) -
+                                       std::max<int64_t>(0, f.row_offset));
+  }
+  if (rows <= 0) return cudaSuccess;
+  const dim3 grid(unsigned(std::min<int64_t>((rows + kMarkedWarps - 1) / kMarkedWarps,
+                                             4 * int64_t(fast::sm_count()))),
+                  unsigned(n_sets));
+  if (folds[0].dtype == DType::kBf16)
+    fold_marked_rows_kernel<DType::kBf16><<<grid, kMarkedThreads, 0, stream>>>(sets);
   else
-    fold_marked_rows_kernel<DType::kF16><<<unsigned(ctas), kMarkedThreads, 0, stream>>>(f);
+    fold_marked_rows_kernel<DType::kF16><<<grid, kMarkedThreads, 0, stream>>>(sets);
   return cudaPeekAtLastError();
 }
 

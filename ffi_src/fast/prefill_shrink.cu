@@ -3,7 +3,8 @@
 // the LoRA inside expert_matmul's GEMM, to the R columns of the row's table
 // row in rows xa_ld wide: GroupedArgs::xa_by_adapter; there a second route
 // of the same tables, GroupedArgs::xa2, shares the pass over x: gate and up;
-// GroupedArgs::skip_cells leaves the rows of some cells out).
+// GroupedArgs::skip_cells leaves the rows of some cells out; each CTA first
+// zeroes its rows of xa, and of xa2, over their whole width).
 // prefill_expand.cu then folds round(xa . B) into base_out.
 //
 // A "batch" is up to MR = 8 * NRG rows of one tile that fold with one pair
@@ -191,6 +192,14 @@ __device__ void cell_shrink(char* smem, const CellLayout& lay, int nrows, const 
   }
 }
 
+// Zero rows [r0, r1) of xa (rows ld wide, ld % 8 == 0: 16-byte pieces).
+__device__ __forceinline__ void zero_rows(void* xa, int64_t ld, int64_t r0, int64_t r1) {
+  if (r1 <= r0) return;
+  uint4* p = reinterpret_cast<uint4*>(static_cast<uint16_t*>(xa) + r0 * ld);
+  const int64_t n = (r1 - r0) * ld / 8;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) p[i] = make_uint4(0, 0, 0, 0);
+}
+
 // Store ranks [rank0, rank0 + R) of the batch's xa rows (shared memory) to
 // the scratch rows orow[q], row stride ld, from column col.
 __device__ __forceinline__ void store_xa(const char* smem, const CellLayout& lay, int nrows,
@@ -216,23 +225,31 @@ __global__ void __launch_bounds__(kCellThreads, 2) grouped_shrink_kernel(const G
   // The expand launch may start now: it loads its base_out tiles and waits
   // for this grid's end (griddepcontrol.wait) before it reads xa.
   asm volatile("griddepcontrol.launch_dependents;");
-  if (!cta_offsets_well_formed(a.expert_offsets, a.num_experts, a.te)) return;  // uniform
   // a second route (a.xa2): its ranks follow the first's in every pass
   const bool two = a.xa2 != nullptr;
+  const int64_t lo = max(int64_t(0), a.row_offset), hi = min(a.row_end, a.te);
+  // This CTA's rows: [c_lo, c_hi), rows_per_cta of the window.
+  const int64_t c_lo = lo + int64_t(blockIdx.x) * prm.rows_per_cta;
+  const int64_t c_hi = min(hi, c_lo + prm.rows_per_cta);
+  if (a.xa_by_adapter) {
+    // Rows xa_ld wide, a row's shrink in its table row's R columns: zeros
+    // everywhere else, and in the rows that fold nothing (the barriers
+    // before store_xa order these stores before the CTA's shrinks).
+    zero_rows(a.xa, a.xa_ld, c_lo, c_hi);
+    if (two) zero_rows(a.xa2, a.xa_ld, c_lo, c_hi);
+  }
+  if (!cta_offsets_well_formed(a.expert_offsets, a.num_experts, a.te)) return;  // uniform
   const CellLayout lay(NRG, SP, int(two ? 2 * a.R : a.R), stages);
   const int tid = threadIdx.x, lane = tid & 31;
-  const int64_t lo = max(int64_t(0), a.row_offset), hi = min(a.row_end, a.te);
   const int E = prm.e_eff, R = int(a.R);
   int* s_misc = reinterpret_cast<int*>(smem + lay.off_misc);
   int* s_l = reinterpret_cast<int*>(smem + lay.off_list);  // [64] table row or -1
   int* s_tok = s_l + 64;
   int* s_xrow = reinterpret_cast<int*>(smem + lay.off_xrow);
   int* s_orow = reinterpret_cast<int*>(smem + lay.off_orow);
-  // This CTA's rows: [c_lo, c_hi), rows_per_cta of the window. The experts
-  // whose spans meet them are consecutive (offsets non-decreasing): found
-  // in one round trip, every thread testing its share of the experts.
-  const int64_t c_lo = lo + int64_t(blockIdx.x) * prm.rows_per_cta;
-  const int64_t c_hi = min(hi, c_lo + prm.rows_per_cta);
+  // The experts whose spans meet the CTA's rows are consecutive (offsets
+  // non-decreasing): found in one round trip, every thread testing its
+  // share of the experts.
   auto span = [&](int e, int64_t* s0, int64_t* s1) {  // expert e's rows within [c_lo, c_hi)
     *s0 = min(max(int64_t(a.expert_offsets[e]), c_lo), c_hi);
     *s1 = min(max(int64_t(a.expert_offsets[e + 1]), *s0), c_hi);
