@@ -96,21 +96,19 @@ extern const ExpertGemmKernel kExpertGemmBf16CooperativeLora, kExpertGemmBf16Pin
     kExpertGemmF16CooperativeLora, kExpertGemmF16PingpongLora;
 
 // The *Lora kernels' second operand pair for one weight set and its route
-// (lora_ext.cu). pack_lora_ext, for n_sets
-// weight sets at once (folds[s], b_ext[s], marks[s]; one N, te and dtype),
-// zeroes `marks` ([L * n_experts + 1] int32), then packs every b_ext
-// [min(n_experts, num_experts), L * R, N] in one launch, marking
-// the pairs whose packed B is not finite (a caller holding packs made
-// beforehand skips it); shrink_lora_ext then writes fold.xa (xa_ext [te,
-// L * R], fold.xa_ld = L * R and fold.xa_by_adapter, the window all of te)
-// whole: the fast
-// grouped fold's shrink into xa_ext (and, with fold.xa2, a second route's
-// into its xa_ext in the same pass), zeros elsewhere, leaving out the cells
-// that fold.skip_cells (the marks) mark. After the GEMM, fold_marked_rows
-// (one launch for n_sets weight sets) folds the rows of the pairs each
-// fold.skip_cells marks into its output as the fold after the GEMM does and
-// writes their xa_ext rows (nothing when none is marked). The caller checks
-// fast::grouped_split_fits(fold).
+// (lora_ext.cu). pack_lora_ext, for n_sets weight sets at once (folds[s],
+// b_ext[s], marks[s]; one N, te and dtype), zeroes `marks` ([L * n_experts +
+// 1] int32), then packs every b_ext [min(n_experts, num_experts), L * R, N]
+// in one launch, marking the pairs whose packed B is not finite (a caller
+// holding packs made beforehand skips it). shrink_lora_ext then writes
+// fold.xa (xa_ext [te, L * R], fold.xa_ld = L * R and fold.xa_by_adapter, the
+// window all of te) whole: the fast grouped fold's shrink (and, with
+// fold.xa2, a second route's into its xa_ext in the same pass), zeros
+// elsewhere, leaving out the cells that fold.skip_cells (the marks) mark.
+// After the GEMM, fold_marked_rows (one launch for n_sets weight sets) folds
+// the rows of the pairs each fold.skip_cells marks into its output as the
+// fold after the GEMM does and writes their xa_ext rows (nothing when none is
+// marked). The caller checks fast::grouped_split_fits(fold).
 cudaError_t pack_lora_ext(const GroupedArgs* folds, void* const* b_ext, int32_t* const* marks,
                           int n_sets, cudaStream_t stream);
 cudaError_t shrink_lora_ext(const GroupedArgs& fold, cudaStream_t stream);

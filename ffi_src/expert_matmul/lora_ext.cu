@@ -106,12 +106,13 @@ struct MarkedSets {
   GroupedArgs set[kExpertMatmulMaxWeights];
 };
 
-// The rows of the pairs a.skip_cells marks (the pack's marks), after the GEMM (which wrote their base: the
-// shrink left them out): out = round(base + scale * round(round(x A^T) B^T)),
-// the fold after the GEMM, fp32 sums, round(x A^T) also stored in the row's
-// R columns of a.xa (rows a.xa_ld wide, column l * R), for the sorted rows of the window
-// [row_offset, row_end), a = sets.set[blockIdx.y]. One warp a row; every CTA
-// returns at once when no pair of its set is marked.
+// The rows of the pairs a.skip_cells marks (the pack's marks), after the
+// GEMM (which wrote their base: the shrink left them out): out = round(base +
+// scale * round(round(x A^T) B^T)), the fold after the GEMM, fp32 sums,
+// round(x A^T) also stored in the row's R columns of a.xa (rows a.xa_ld wide,
+// column l * R), for the sorted rows of the window [row_offset, row_end), a =
+// sets.set[blockIdx.y]. One warp a row; every CTA returns at once when no
+// pair of its set is marked.
 template <DType D>
 __global__ void __launch_bounds__(kMarkedThreads)
     fold_marked_rows_kernel(const MarkedSets sets) {

@@ -19,7 +19,11 @@ import jax.numpy as jnp
 from jax_moelora.ops.jnp_fold import resolve_pairs
 from jax_moelora.tables import MoeExpertRoute
 
-__all__ = ["LoraInGemmPack", "pack_lora_in_gemm", "check_pack"]
+__all__ = ["LoraInGemmPack", "PACK_DTYPES", "pack_lora_in_gemm", "check_pack"]
+
+#: The pool dtypes the kernel folding inside its K loop packs (and so
+#: ``pack_lora_in_gemm`` takes).
+PACK_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 class LoraInGemmPack(NamedTuple):
@@ -57,7 +61,7 @@ def pack_lora_in_gemm(route: MoeExpertRoute) -> LoraInGemmPack:
         raise TypeError(f"pack_lora_in_gemm: route must be a MoeExpertRoute, got "
                         f"{type(route).__name__}")
     dt = jnp.dtype(route.dtype)
-    if dt not in (jnp.bfloat16, jnp.float16):
+    if dt not in PACK_DTYPES:
         raise TypeError(f"pack_lora_in_gemm: the kernel packs bf16 or f16 pools, got {dt}")
     route = jax.tree_util.tree_map(jnp.asarray, route)
     L, E, R, N = route.max_loras, route.n_experts, route.max_rank, route.n_out

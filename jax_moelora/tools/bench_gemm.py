@@ -56,7 +56,7 @@ from jax_moelora.tools import bench_methods as bm
 from jax_moelora.tools.bench_cases import MODELS, Model, make_routing, parse_model
 from jax_moelora.tools.step_profile import top_kernels, trace_into
 from jax_moelora.ops.expert_matmul import EXPERT_MATMUL_SCHEDULES, expert_matmul
-from jax_moelora.ops.lora_pack import pack_lora_in_gemm
+from jax_moelora.ops.lora_pack import PACK_DTYPES, pack_lora_in_gemm
 from jax_moelora.tables import MoeExpertRoute
 
 __all__ = ["GemmCase", "GEMM_TOKENS", "GEMM_PROJS", "GEMM_METHODS", "run_gemm_bench",
@@ -140,7 +140,7 @@ def make_gemm_inputs(c: GemmCase, dtype=jnp.bfloat16) -> dict[str, Any]:
                        a_table=slots, b_table=slots, scale_table=scale)
         for i in range(c.n_weights))
     active = int((sizes > 0).sum())
-    packs = tuple(pack_lora_in_gemm(r) for r in routes) if jnp.dtype(dtype) in TOLERANCE else None
+    packs = tuple(pack_lora_in_gemm(r) for r in routes) if jnp.dtype(dtype) in PACK_DTYPES else None
     return {"x": x, "w": ws if c.n_weights == 2 else ws[0], "group_sizes": jnp.asarray(sizes),
             "routes": routes if c.n_weights == 2 else routes[0],
             "packs": packs if packs is None or c.n_weights == 2 else packs[0],

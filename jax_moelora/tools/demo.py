@@ -61,6 +61,7 @@ from jax_moelora.nnx import (
 from jax_moelora.nnx.stack import MoEStack
 from jax_moelora.nnx.experts import EXPERT_GEMMS, grouped_gemm_runs_kernel
 from jax_moelora.ops.folds import GATHER_MAX_ROWS, GATHER_ROWS_PER_EXPERT, IMPLS, resolve_impl
+from jax_moelora.ops.lora_pack import PACK_DTYPES
 from jax_moelora.peft import ProjectionLoRA, load_peft_adapter, save_peft_adapter
 
 __all__ = ["ModelConfig", "DemoModel", "DEMO_FAMILIES", "DTYPES", "SIZES", "TOLERANCES",
@@ -868,7 +869,7 @@ def _prefill_variants(model: DemoModel, impl: str, inner: int, ids) -> tuple[lis
     of ``PREFILL_GEMMS`` the base model and 4 adapters, and with
     ``expert_matmul`` (bf16/f16) the adapters once more with packs made once
     (``pack_lora_in_gemm``); ``state``: the model's and the stack's packs."""
-    packable = jnp.dtype(DTYPES[model.cfg.dtype]) in (jnp.bfloat16, jnp.float16)
+    packable = jnp.dtype(DTYPES[model.cfg.dtype]) in PACK_DTYPES
     variants, meta = [], {}
     for gemm in PREFILL_GEMMS:
         for b in model.blocks:
