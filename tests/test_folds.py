@@ -706,6 +706,22 @@ def test_row_sort_and_grouped_rows_have_no_host_round_trip(rng):
                                                     row_end=T * k, x_gather=1), offsets, stok, ra)
 
 
+def test_row_sort_by_adapter_adds_only_elementwise_work_to_the_expert_sort(rng):
+    """Sorting by adapter within an expert costs the expert sort's one argsort
+    and search, plus elementwise work on the key: each token's slot reaches its
+    top_k rows by a broadcast, with no cumulative sum, scatter or gather."""
+    T, k, E, L = 512, 8, 128, 4
+    topk = jnp.asarray(rng.integers(0, E, size=(T, k)).astype(np.int32))
+    ra = jnp.asarray(rng.integers(-1, L, size=T).astype(np.int32))
+
+    def ops(row_adapter):
+        jaxpr = str(jax.make_jaxpr(lambda t: sort_rows_by_expert(t, E, row_adapter, L))(topk))
+        return {p: jaxpr.count(p + "[") for p in ("cumsum", "scatter", "scatter-add", "gather",
+                                                  "sort", "reduce_window_sum")}
+
+    assert ops(ra) == ops(None)
+
+
 def test_plan_permutations_have_the_inverse_permutation_as_gradient():
     """A grouped plan's ``to_plan_order`` and ``to_flat_order`` permute rows;
     their gradients are the inverse permutations (the values of indexing's

@@ -431,7 +431,9 @@ def sort_rows_by_expert(topk_ids: jax.Array, n_experts: int,
         slot = jnp.where((row >= 0) & (row < num_adapters), row + 1, 0)
         # ids outside [0, n_experts) keep sorting before or after every span
         e = jnp.clip(flat, -1, n_experts)
-        key = e * m + jnp.repeat(slot, top_k, total_repeat_length=flat.shape[0])
+        # a static repeat count: a broadcast (total_repeat_length would take
+        # jnp.repeat's general path, two cumsums and a scatter)
+        key = e * m + jnp.repeat(slot, top_k)
         bounds = jnp.arange(n_experts + 1, dtype=jnp.int32) * m
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
     offsets = searchsorted(key[order], bounds, side="left")
@@ -595,8 +597,7 @@ def moe_lora_fold(x: jax.Array, base_out: jax.Array, topk_ids: jax.Array, route:
         tokens, ra = plan.sorted_token_ids, row_adapter
     else:
         tokens = plan.order
-        ra = None if row_adapter is None else jnp.repeat(row_adapter, top_k,
-                                                         total_repeat_length=n_slots)
+        ra = None if row_adapter is None else jnp.repeat(row_adapter, top_k)
     return _grouped_down(x, base_out, plan.expert_offsets, tokens, route, ra, x_gather=1,
                          impl=impl, validate=validate, out_rows=plan.order)
 
