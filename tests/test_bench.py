@@ -79,6 +79,31 @@ def test_spec_grid():
     assert (down.x_gather, down.k_in, down.n_out) == (0, 768, 2048)
 
 
+def test_router_cases_fold_the_logits_with_float32_pools():
+    """The router's fold: a row a token over one table column, the gather
+    fold at every token count, float32 pools and logits read and written at
+    4 bytes, the activations at their own width."""
+    q = bc.MODELS["Qwen3-30B-A3B"]
+    case = bc.Case(q, "router", 4096, 16, 4)
+    assert (case.k_in, case.n_out, case.top_k, case.n_rows, case.table_experts) == (
+        2048, 128, 1, 4096, 1)
+    assert case.phase == "prefill" and case.gather and case.x_gather == 0
+    topk, ra = bc.make_routing(case)
+    assert topk.shape == (4096, 1) and not topk.any()
+    nb = bc.case_floor_bytes(case, topk, ra)
+    assert nb["pairs"] == 4 and nb["folded_rows"] == 4096
+    assert nb["ab_bytes"] == 4 * 16 * (2048 + 128) * 4
+    assert nb["x_bytes"] == 4096 * 2048 * 2 and nb["out_bytes"] == 2 * 4096 * 128 * 4
+    tiny = bc.make_inputs(bc.Case(bc.parse_model(TINY), "router", 300, 8, 2))
+    route = tiny.args["route"]
+    assert tiny.base_out.dtype == jnp.float32 and tiny.base_out.shape == (300, 8)
+    assert route.a_pool.dtype == jnp.float32 and route.a_table.shape == (2, 1)
+    assert tiny.args["x"].dtype == jnp.bfloat16 and tiny.args["x"].shape == (300, 32)
+    assert not np.asarray(tiny.args["indices"]).any()
+    with pytest.raises(ValueError, match="projection"):
+        bc.case_grid([q], ("gate_up",))
+
+
 def test_parse_model():
     assert bc.parse_model("qwen") is bc.MODELS["Qwen3-30B-A3B"]
     assert bc.parse_model("mixtral-8x7b") is bc.MODELS["Mixtral-8x7B"]
@@ -152,14 +177,15 @@ def _messy_inputs(phase: str, proj: str, adapters: int) -> bc.CaseInputs:
         ra[1] = adapters + 3
     route = inputs.args["route"]
     a_table = np.array(route.a_table)
-    a_table[0, 1] = 0
+    if a_table.shape[1] > 1 or adapters > 1:  # the router's one cell of adapter 0 stays
+        a_table[0, min(1, a_table.shape[1] - 1)] = 0
     inputs.args = {**inputs.args, "row_adapter": jnp.asarray(ra),
                    "route": route.replace(a_table=jnp.asarray(a_table))}
     return inputs
 
 
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
-@pytest.mark.parametrize("proj", ["gate", "down"])
+@pytest.mark.parametrize("proj", ["gate", "down", "router"])
 @pytest.mark.parametrize("adapters", [1, 3])
 def test_baselines_match_jnp(phase, proj, adapters):
     inputs = _messy_inputs(phase, proj, adapters)
@@ -228,6 +254,14 @@ def test_smoke_run_writes_json_and_png(tmp_path):
     png = tmp_path / "bench.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| method |" in (tmp_path / "bench.md").read_text()
+
+
+def test_smoke_run_of_the_router(tmp_path):
+    assert _run(tmp_path, "--projs", "router") == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert len(rows) == 2 * len(bm.default_methods())
+    assert {r["proj"] for r in rows} == {"router"} and {r["rows"] for r in rows} == {2, 300}
+    assert all(r["check"] in ("ok", "ref") and r["error"] is None for r in rows)
 
 
 def test_wrong_method_reported(tmp_path, monkeypatch):

@@ -60,7 +60,7 @@ with needs_extra("bench", "jax_moelora.tools.bench"):
 
 from jax_moelora.tools import bench_methods as bm
 from jax_moelora.tools.bench_cases import (DECODE_MAX_TOKENS, DECODE_TOKENS, MODELS, PREFILL_TOKENS,
-                                     PROJECTIONS, Case, case_grid, floor_bytes, make_inputs,
+                                     PROJECTIONS, Case, case_grid, case_floor_bytes, make_inputs,
                                      make_routing, parse_model)
 
 __all__ = ["add_arguments", "run", "run_bench", "merge_runs", "Settings", "PROTOCOL_REPS",
@@ -135,7 +135,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", type=_names, default=None,
                         help=f"models ({', '.join(MODELS)}; qwen/mixtral/deepseek; or a custom "
                              "name:experts:top_k:hidden:inter), comma-separated")
-    parser.add_argument("--projs", type=_names, default=None, help="gate and/or down")
+    parser.add_argument("--projs", type=_names, default=None,
+                        help="of gate, down (the default) and router (the router's fold: "
+                             "float32 pools, one table column, the gather fold at every T)")
     parser.add_argument("--tokens", type=_ints, default=None,
                         help=f"token counts (<= --decode-max-tokens: decode, gather fold; larger: "
                              f"prefill, grouped fold); default {DECODE_TOKENS + PREFILL_TOKENS}")
@@ -498,8 +500,7 @@ def list_cases(s: Settings, console: Console) -> None:
         table.add_column(name)
     for case in s.cases:
         topk, ra = make_routing(case)
-        nb = floor_bytes(topk, ra, rank=case.rank, k_in=case.k_in, n_out=case.n_out,
-                         x_gather=case.x_gather)
+        nb = case_floor_bytes(case, topk, ra)
         skips = [m for m in s.methods
                  if bm.skip_reason(m, case, ragged_max_bytes=s.ragged_max_bytes)]
         table.add_row(case.label, str(case.n_rows), str(nb["pairs"]),

@@ -2,8 +2,9 @@
 bandwidth and the correctness check.
 
 Methods: the library backends ``fast``, ``simple``, ``cpu`` and ``jnp``
-(``moe_lora_gather_bgmv`` for decode cases, ``moe_lora_grouped_down`` for
-prefill ones), and two pure-JAX baselines:
+(``moe_lora_gather_bgmv`` for decode cases and the router,
+``moe_lora_grouped_down`` for prefill ones), and two pure-JAX baselines
+(float32 products at full precision for the router's float32 pools):
 
 - ``ragged_dot``: rows grouped by (expert, adapter) pair, expert-major
   (``g = e * L + l``), then ``jax.lax.ragged_dot`` ``x @ A^T`` and
@@ -92,8 +93,8 @@ def default_methods() -> tuple[str, ...]:
 # --------------------------------------------------------------------- library
 
 def _library_fold(case: Case, impl: str) -> Fold:
-    top_k, xg = case.model.top_k, case.x_gather
-    if case.phase == "decode":
+    top_k, xg = case.top_k, case.x_gather
+    if case.gather:
         def fold(out, a):
             return moe_lora_gather_bgmv(a["x"], out, a["indices"], a["route"], a["row_adapter"],
                                         top_k=top_k, x_gather=xg, impl=impl)
@@ -110,8 +111,8 @@ def _row_keys(case: Case, a: dict[str, Any]):
     """Per (sorted, for prefill) row: ``(token, expert, adapter)``."""
     rows = case.n_rows
     r = jnp.arange(rows, dtype=jnp.int32)
-    if case.phase == "decode":
-        tok = r // case.model.top_k
+    if case.gather:
+        tok = r // case.top_k
         expert = a["indices"]
     else:
         tok = a["sorted_token_ids"]
@@ -136,6 +137,12 @@ def _finish(base, delta, s, ok):
     return jnp.where(ok[:, None], folded, base)
 
 
+def _precision(dt):
+    """Full float32 products for float32 pools (the router's fold; XLA may
+    otherwise take TF32 on the GPU), the default for 16-bit ones."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dt) == jnp.float32 else None
+
+
 def _pair_weights(route) -> dict[str, jax.Array]:
     """Pair-major weights ``g = e * L + l`` of the ragged_dot baseline."""
     a_slot, b_slot = route.a_table.T.reshape(-1), route.b_table.T.reshape(-1)   # [E * L]
@@ -157,7 +164,7 @@ def _ragged_fold(case: Case) -> Fold:
         l = jnp.zeros_like(adapter) if L == 1 else adapter
         valid = (adapter >= 0) & (l < L) & (expert >= 0) & (expert < E)
         g = jnp.clip(expert, 0, E - 1) * L + jnp.clip(l, 0, L - 1)
-        presorted = case.phase == "prefill" and L == 1
+        presorted = not case.gather and L == 1
         if presorted:
             # rows outside every expert span lie before or after them: keep
             # the group ids non-decreasing (their results are masked anyway)
@@ -165,10 +172,11 @@ def _ragged_fold(case: Case) -> Fold:
             g = jnp.where(expert >= 0, g, jnp.where(r < a["expert_offsets"][0], 0, G - 1))
         order = None if presorted else jnp.argsort(g, stable=True)
         gs = jnp.bincount(g, length=G).astype(jnp.int32)
-        xs = _x_rows(case, a["x"], tok, order)
+        xs = _x_rows(case, a["x"], tok, order).astype(pw["a"].dtype)
         dt = out.dtype
-        xa = jax.lax.ragged_dot(xs, pw["a"], gs, preferred_element_type=jnp.float32).astype(dt)
-        delta = jax.lax.ragged_dot(xa, pw["b"], gs, preferred_element_type=jnp.float32).astype(dt)
+        kw = dict(preferred_element_type=jnp.float32, precision=_precision(dt))
+        xa = jax.lax.ragged_dot(xs, pw["a"], gs, **kw).astype(dt)
+        delta = jax.lax.ragged_dot(xa, pw["b"], gs, **kw).astype(dt)
         if order is not None:
             delta = jnp.zeros_like(delta).at[order].set(delta, unique_indices=True)
         ok = valid & pw["ok"][g]
@@ -186,11 +194,11 @@ def _einsum_fold(case: Case, chunk_bytes: int) -> Fold:
         per_row = route.max_rank * (route.k_in + route.n_out) * jnp.dtype(dt).itemsize
         chunk = max(1, chunk_bytes // per_row)
 
+        kw = dict(preferred_element_type=jnp.float32, precision=_precision(dt))
+
         def rows(xc, a_c, b_c):
-            xa = jnp.einsum("rk,rjk->rj", xc, route.a_pool[a_c],
-                            preferred_element_type=jnp.float32).astype(dt)
-            return jnp.einsum("rj,rnj->rn", xa, route.b_pool[b_c],
-                              preferred_element_type=jnp.float32).astype(dt)
+            xa = jnp.einsum("rk,rjk->rj", xc.astype(dt), route.a_pool[a_c], **kw).astype(dt)
+            return jnp.einsum("rj,rnj->rn", xa, route.b_pool[b_c], **kw).astype(dt)
 
         n = out.shape[0]
         if n <= chunk:
@@ -209,7 +217,7 @@ def ragged_dense_bytes(case: Case) -> int:
     """Bytes of the zero-padded ``[G, m, K]`` operands and ``[G, m, N]``
     results (f32) XLA's default ragged_dot lowering builds on GPU and CPU,
     for the larger of the baseline's two ragged_dots."""
-    G = case.model.n_experts * case.adapters
+    G = case.table_experts * case.adapters
     return 4 * G * case.n_rows * (max(case.k_in, case.n_out) + case.rank)
 
 
