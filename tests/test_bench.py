@@ -177,7 +177,7 @@ def _messy_inputs(phase: str, proj: str, adapters: int) -> bc.CaseInputs:
         ra[1] = adapters + 3
     route = inputs.args["route"]
     a_table = np.array(route.a_table)
-    if a_table.shape[1] > 1 or adapters > 1:  # the router's one cell of adapter 0 stays
+    if a_table.shape[1] > 1 or adapters > 1:  # the router with one adapter keeps its cell
         a_table[0, min(1, a_table.shape[1] - 1)] = 0
     inputs.args = {**inputs.args, "row_adapter": jnp.asarray(ra),
                    "route": route.replace(a_table=jnp.asarray(a_table))}
