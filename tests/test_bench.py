@@ -90,6 +90,7 @@ def test_router_cases_fold_the_logits_with_float32_pools():
     assert case.phase == "prefill" and case.gather and case.x_gather == 0
     topk, ra = bc.make_routing(case)
     assert topk.shape == (4096, 1) and not topk.any()
+    np.testing.assert_array_equal(ra, bc.make_routing(bc.Case(q, "gate", 4096, 16, 4))[1])
     nb = bc.case_floor_bytes(case, topk, ra)
     assert nb["pairs"] == 4 and nb["folded_rows"] == 4096
     assert nb["ab_bytes"] == 4 * 16 * (2048 + 128) * 4

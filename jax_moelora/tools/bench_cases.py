@@ -158,9 +158,10 @@ def case_grid(models: Sequence[Model], projs: Sequence[str] = PROJECTIONS,
     """Every combination, in the order model, projection, rank, adapters, tokens;
     token counts up to ``decode_max_tokens`` are decode cases (gather fold).
     ``projs``: of ``gate``, ``down`` and ``router``."""
+    known = PROJECTIONS + (ROUTER,)
     for p in projs:
-        if p not in PROJECTIONS + (ROUTER,):
-            raise ValueError(f"projection must be one of {PROJECTIONS + (ROUTER,)}, got {p!r}")
+        if p not in known:
+            raise ValueError(f"projection must be one of {known}, got {p!r}")
     for name, vals in (("tokens", tokens), ("ranks", ranks), ("adapters", adapters)):
         if any(int(v) < 1 for v in vals):
             raise ValueError(f"{name} must be positive, got {list(vals)}")
@@ -171,12 +172,15 @@ def case_grid(models: Sequence[Model], projs: Sequence[str] = PROJECTIONS,
 def make_routing(case: Case) -> tuple[np.ndarray, np.ndarray]:
     """Seeded ``(topk_ids int32 [T, top_k], row_adapter int32 [T])``: distinct
     experts per token (the router: ``[T, 1]`` zeros, its one table column),
-    adapters drawn uniformly from ``0 .. L-1``."""
+    adapters drawn uniformly from ``0 .. L-1`` (the same for every projection
+    of a model and token count)."""
     m = case.model
     rng = np.random.default_rng([case.seed, m.n_experts, m.top_k, case.tokens, case.adapters])
-    topk = np.argsort(rng.random((case.tokens, m.n_experts)), axis=1)[:, :m.top_k]
+    picks = rng.random((case.tokens, m.n_experts))
     if case.proj == ROUTER:
-        topk = np.zeros((case.tokens, 1), np.int64)
+        topk = np.zeros((case.tokens, 1), np.int32)
+    else:
+        topk = np.argsort(picks, axis=1)[:, :m.top_k]
     row_adapter = rng.integers(0, case.adapters, size=case.tokens)
     return topk.astype(np.int32), row_adapter.astype(np.int32)
 
@@ -296,7 +300,7 @@ def make_inputs(case: Case, dtype=jnp.bfloat16) -> CaseInputs:
                            b_table=jnp.asarray(slots), scale_table=jnp.asarray(scale))
     args: dict[str, Any] = {"route": route, "row_adapter": jnp.asarray(row_adapter), "x": x}
     if case.gather:
-        args["indices"] = jnp.asarray(topk.reshape(-1).astype(np.int32))
+        args["indices"] = jnp.asarray(topk.reshape(-1))
     else:
         _, offsets, sorted_tok = sort_rows_by_expert(jnp.asarray(topk), E,
                                                      jnp.asarray(row_adapter), L)
